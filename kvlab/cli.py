@@ -1,0 +1,61 @@
+"""The ``kvlab`` command line."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+
+def _models(args) -> int:
+    from .catalog import model_rows
+
+    rows = model_rows()
+    head = f"{'name':<14} {'family':<10} {'layers':>6} {'kv heads':>8} {'head_dim':>8}  {'rope':<40} {'cached':<8}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(f"{r['name']:<14} {r['family']:<10} {r['layers']:>6} {r['kv_heads']:>8} {r['head_dim']:>8}  {r['rope']:<40} {r['cached']:<8}")
+    return 0
+
+
+def _check(args) -> int:
+    from .check import check_rows, format_rows
+    from .models import load_model
+
+    torch.manual_seed(0)
+    model = load_model(args.model)
+    rows = check_rows(model)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        print(f"kvlab check on {model.name}: two fragments; K/V against the phase reference (each fragment "
+              "prefilled alone at its landing positions); KL (nats) against the joined prefill")
+        print(format_rows(rows))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .models import DEFAULT_MODEL
+
+    parser = argparse.ArgumentParser(prog="kvlab", description="Is a merged or reloaded KV cache still right?")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("models", help="list the models kvlab can load")
+    p.set_defaults(func=_models)
+    p = sub.add_parser("check", help="every merge strategy against both references, as a table")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    p.set_defaults(func=_check)
+    args = parser.parse_args(argv)
+    from .errors import KvlabError
+
+    try:
+        return args.func(args)
+    except KvlabError as e:
+        print(f"kvlab: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

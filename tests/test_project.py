@@ -1,0 +1,58 @@
+"""The project's own promises: matching dependency lists, no pickle, a README that starts right."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import kvlab
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _env_pip_list() -> list[str]:
+    lines = (ROOT / "environment.yml").read_text().splitlines()
+    start = next(i for i, l in enumerate(lines) if l.strip() == "- pip:")
+    return [l.strip()[2:].strip() for l in lines[start + 1 :] if l.strip().startswith("- ")]
+
+
+def test_environment_yml_matches_pyproject():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = project["dependencies"] + project["optional-dependencies"]["dev"]
+    assert sorted(_env_pip_list()) == sorted(wanted)
+
+
+def test_no_pickle_anywhere_in_the_package():
+    pattern = re.compile(r"^\s*(import (pickle|dill|cloudpickle)|from (pickle|dill|cloudpickle) )|torch\.load\(|pickle\.loads?\(", re.M)
+    hits = [str(p) for p in (ROOT / "kvlab").rglob("*.py") if pattern.search(p.read_text())]
+    assert hits == []
+
+
+def test_readme_starts_with_the_two_commands():
+    head = (ROOT / "README.md").read_text()[:1500]
+    assert "make report" in head and "make test" in head
+
+
+def test_public_api_is_exported():
+    for name in kvlab.__all__:
+        assert hasattr(kvlab, name), name
+
+
+def test_cli_models_and_bad_model():
+    out = subprocess.run([sys.executable, "-m", "kvlab.cli", "models"], capture_output=True, text=True, check=True).stdout
+    assert "tiny-gemma3" in out and "smollm2-135m" in out
+    bad = subprocess.run([sys.executable, "-m", "kvlab.cli", "check", "--model", "nope"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown model 'nope'" in bad.stderr
+
+
+def test_check_table_on_a_tiny_model():
+    from kvlab.check import check_rows, format_rows
+
+    rows = {r["strategy"]: r for r in check_rows(kvlab.load_model("tiny-llama"), ["first fragment.", " second one."], [" and"])}
+    assert "RoPE phase" in rows["fail"]["refused"]
+    assert rows["rerotate"]["max_k_phase"] < 1e-5 < rows["naive"]["max_k_phase"]
+    assert rows["reprefill"]["kl_max"] == 0.0
+    assert rows["naive"]["max_v_phase"] == rows["rerotate"]["max_v_phase"]
+    assert "rerotate" in format_rows(list(rows.values()))
