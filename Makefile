@@ -26,10 +26,12 @@ $(GEMMA_STAMP): $(STAMP)
 	touch $@
 
 report: setup
-	$(VENV)/bin/kvlab check
+	$(VENV)/bin/kvlab report --out reports
 
+# nbval re-runs every notebook and compares its printed numbers with the stored run.
 test: setup gemma
-	$(VENV)/bin/python -m pytest -q -p no:cacheprovider
+	MPLBACKEND=Agg $(VENV)/bin/python -m pytest -q -p no:cacheprovider tests notebooks \
+		--nbval --nbval-sanitize-with notebooks/sanitize.cfg
 
 bench: setup
 	$(PY) benchmarks/merge.py

@@ -36,6 +36,17 @@ def _check(args) -> int:
     return 0
 
 
+def _report(args) -> int:
+    from pathlib import Path
+
+    from .report import run_report
+
+    params = {name: value for name, value in (args.param or [])}
+    index = run_report(Path(args.out), only=args.only, params=params, model=args.model, progress=not args.no_progress)
+    print(f"report: {index}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from .models import DEFAULT_MODEL
 
@@ -47,6 +58,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.set_defaults(func=_check)
+    p = sub.add_parser("report", help="execute the notebooks with papermill into an HTML report")
+    p.add_argument("--model", default=None, help="model for every notebook (default: each notebook's own)")
+    p.add_argument("--out", default="reports")
+    p.add_argument("--only", nargs="+", metavar="NB", help="notebook names, e.g. 01_phase_error")
+    p.add_argument("-p", "--param", nargs=2, action="append", metavar=("NAME", "VALUE"), help="a notebook parameter")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_report)
     args = parser.parse_args(argv)
     from .errors import KvlabError
 

@@ -181,26 +181,25 @@ def rotate_keys(keys: torch.Tensor, inv_freq: torch.Tensor, delta: int | torch.T
         ``[batch, kv_heads, seq, head_dim]``, a new tensor unless ``out`` is given; ``keys`` is not modified.
     """
     half = inv_freq.numel()
-    if 2 * half > keys.shape[-1]:
-        raise UnsupportedRopeError(f"rotary_dim {2 * half} exceeds head_dim {keys.shape[-1]}")
+    r = 2 * half
+    if r > keys.shape[-1]:
+        raise UnsupportedRopeError(f"rotary_dim {r} exceeds head_dim {keys.shape[-1]}")
     # Half precision keys are rotated in fp32 and rounded once.
     work = keys.dtype if keys.dtype in (torch.float32, torch.float64) else torch.float32
     cos, sin = delta_cos_sin(inv_freq.to(keys.device), delta, work)
     if out is None:
         out = torch.empty_like(keys)
     x = keys if work == keys.dtype else keys.to(work)
-    x1, x2 = x[..., :half], x[..., half : 2 * half]
-    if work == keys.dtype:
-        o1, o2 = out[..., :half], out[..., half : 2 * half]
-        torch.mul(x1, cos, out=o1)
-        o1.addcmul_(x2, sin, value=-1)
-        torch.mul(x2, cos, out=o2)
-        o2.addcmul_(x1, sin)
-    else:
-        out[..., :half] = (x1 * cos - x2 * sin).to(keys.dtype)
-        out[..., half : 2 * half] = (x2 * cos + x1 * sin).to(keys.dtype)
-    if 2 * half < keys.shape[-1]:
-        out[..., 2 * half :] = keys[..., 2 * half :]
+    o = out if work == keys.dtype else torch.empty_like(x)
+    # x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin, in three passes over memory: one
+    # multiply by [cos, cos] over the whole rotary part, then one fused update per half.
+    torch.mul(x[..., :r], torch.cat([cos, cos], dim=-1), out=o[..., :r])
+    o[..., :half].addcmul_(x[..., half:r], sin, value=-1)
+    o[..., half:r].addcmul_(x[..., :half], sin)
+    if r < keys.shape[-1]:
+        o[..., r:] = x[..., r:]
+    if o is not out:
+        out.copy_(o)
     return out
 
 

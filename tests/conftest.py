@@ -1,8 +1,11 @@
 """Shared fixtures: each model is loaded once per test session."""
 from __future__ import annotations
 
-import importlib.util
 import functools
+import importlib.util
+import os
+
+os.environ.setdefault("MPLBACKEND", "Agg")
 
 import pytest
 import torch

@@ -1,0 +1,207 @@
+"""An ipywidgets explorer: pick a merge strategy, fragments, model, layer and head; see
+the phase error, the |K - ref| heatmap and the next-token KL update.
+
+``MergeExplorer`` keeps everything it shows in ``.state`` and ``.figures`` so tests can
+drive it by setting widget values, with or without a browser.
+"""
+from __future__ import annotations
+
+import contextlib
+import html
+
+import ipywidgets as W
+import matplotlib.pyplot as plt
+import numpy as np
+
+from .check import DEFAULT_PROBES, DEFAULT_TEXTS
+from .errors import KvlabError
+from .fragments import prefill
+from .merge import landing_positions, merge
+from .metrics import context_reference, kv_diff, next_token_kl, phase_error, phase_reference
+from .models import DEFAULT_MODEL, LoadedModel, load_model
+from .plots import band_slices, kv_heatmap
+from .strategies import STRATEGIES, strategy_names
+
+
+def _in_kernel() -> bool:
+    # Outside a Jupyter kernel (plain pytest) an Output widget would just print reprs.
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    ip = get_ipython()
+    return ip is not None and hasattr(ip, "kernel")
+
+
+class MergeExplorer:
+    """Widgets to switch merge strategy and watch what changes.
+
+    Parameters
+    ----------
+    model : str or LoadedModel
+        Starting model.
+    texts : list of str
+        Fragment texts (one text box each).
+    probes : list of str
+        Probe texts for the next-token KL table.
+    models : list of str
+        Choices of the model dropdown.
+    """
+
+    def __init__(self, model: str | LoadedModel = DEFAULT_MODEL, texts: list[str] | None = None,
+                 probes: list[str] | None = None, models: list[str] | None = None):
+        self._models: dict[str, LoadedModel] = {}
+        if isinstance(model, LoadedModel):
+            self._models[model.name] = model
+            model = model.name
+        self.probes = list(probes or DEFAULT_PROBES)
+        texts = list(texts or DEFAULT_TEXTS)
+        choices = list(dict.fromkeys([model] + list(models or [DEFAULT_MODEL, "tiny-llama", "tiny-gemma3"])))
+        self.strategy = W.Dropdown(options=strategy_names(), value="naive", description="strategy")
+        self.model = W.Dropdown(options=choices, value=model, description="model")
+        self.texts = [W.Textarea(value=t, description=f"fragment {i}", layout=W.Layout(width="95%")) for i, t in enumerate(texts)]
+        self.layer = W.IntSlider(min=0, max=1, value=0, description="layer")
+        self.head = W.IntSlider(min=0, max=0, value=0, description="KV head")
+        self.ratio = W.FloatSlider(min=0.0, max=1.0, step=0.05, value=0.15, description="recompute r")
+        self.readout = W.HTML()
+        self.table = W.HTML()
+        self.plots = W.Output()
+        self.state: dict = {}
+        self.figures: dict = {}
+        self._key = None
+        self._draw = True
+        for w in [self.strategy, self.model, self.ratio, *self.texts]:
+            w.observe(self._on_input, names="value")
+        for w in (self.layer, self.head):
+            w.observe(self._on_view, names="value")
+        self._recompute_inputs()
+        self.widget = W.VBox([
+            W.HBox([self.model, self.strategy, self.ratio]), *self.texts, W.HBox([self.layer, self.head]),
+            self.readout, self.plots, self.table,
+        ])
+        self._sync_ratio_visibility()
+
+    # -- computation -----------------------------------------------------------------
+
+    def _get_model(self) -> LoadedModel:
+        name = self.model.value
+        if name not in self._models:
+            self._models[name] = load_model(name)
+        return self._models[name]
+
+    def _options(self) -> dict:
+        cls = STRATEGIES[self.strategy.value]
+        return {"ratio": self.ratio.value} if "ratio" in getattr(cls, "__dataclass_fields__", {}) else {}
+
+    def _recompute_inputs(self) -> None:
+        m = self._get_model()
+        key = (m.name, tuple(t.value for t in self.texts))
+        if key != self._key:
+            self._key = key
+            self.frags = [prefill(m, t.value, bos=(i == 0)) for i, t in enumerate(self.texts)]
+            self.landings = landing_positions(self.frags)
+            self.phase_ref = phase_reference(m, self.frags)
+            self.joined = context_reference(m, self.frags)
+            n_layers = len(self.phase_ref.layers)
+            self.layer.max = n_layers - 1
+            self.layer.value = min(self.layer.value, n_layers - 1)
+            self.head.max = self.phase_ref.layers[0].keys.shape[1] - 1
+            self.head.value = min(self.head.value, self.head.max)
+        self._merge()
+
+    def _merge(self) -> None:
+        m = self._get_model()
+        name = self.strategy.value
+        self.state = {"model": m.name, "strategy": name, "options": self._options()}
+        try:
+            self.merged = merge(self.frags, name, m, **self._options())
+        except KvlabError as e:
+            self.merged = None
+            self.state["refused"] = str(e)
+            self._render()
+            return
+        self.phases = phase_error(self.merged, self.phase_ref, m)
+        self.diffs = kv_diff(self.merged, self.phase_ref)
+        self.kl = next_token_kl(m, self.merged, self.joined, self.probes)
+        self.state["max_phase_error"] = max(float(p.angle.max()) for p in self.phases)
+        self.state["kl"] = [r["kl"] for r in self.kl]
+        self.state["top1_agree"] = sum(r["agree"] for r in self.kl)
+        self._render()
+
+    # -- display ---------------------------------------------------------------------
+
+    def _on_input(self, change) -> None:
+        self._sync_ratio_visibility()
+        self._recompute_inputs()
+
+    def _on_view(self, change) -> None:
+        if self.merged is not None:
+            self._render()
+
+    def _sync_ratio_visibility(self) -> None:
+        self.ratio.layout.display = None if self._options() else "none"
+
+    def _render(self) -> None:
+        for fig in self.figures.values():
+            plt.close(fig)
+        self.figures = {}
+        if "refused" in self.state:
+            self.readout.value = f"<b>{self.state['strategy']} refused:</b> {html.escape(self.state['refused'])}"
+            self.table.value = ""
+            self.plots.clear_output()
+            return
+        li, hi = self.layer.value, self.head.value
+        p = self.phases[li]
+        head_err = float(p.angle[hi].max())
+        self.state.update(layer=li, head=hi, max_phase_error_layer_head=head_err)
+        self.readout.value = (
+            f"<b>{self.state['model']} / {self.state['strategy']}</b>: max phase error over all layers "
+            f"<span class='kvlab-max-phase'>{self.state['max_phase_error']:.3e}</span> rad; layer {li}, head {hi}: "
+            f"{head_err:.3e} rad; top-1 agreement with the joined prefill {self.state['top1_agree']}/{len(self.kl)}"
+        )
+        rows = "".join(
+            f"<tr><td>{html.escape(r['probe'])}</td><td>{r['kl']:.4f}</td><td>{html.escape(r['top1_ref'])}</td>"
+            f"<td>{html.escape(r['top1'])}</td><td>{'yes' if r['agree'] else 'no'}</td></tr>" for r in self.kl
+        )
+        self.table.value = ("<table><tr><th>probe</th><th>KL (nats)</th><th>top-1 joined</th><th>top-1 merged</th>"
+                            f"<th>agree</th></tr>{rows}</table>")
+        self.figures["phase"] = self._phase_figure(p, hi)
+        self.figures["heatmap"] = kv_heatmap(self.diffs, self.state["model"], self.state["strategy"], "phase ref",
+                                             self.landings, layer=li)
+        if not self._draw:
+            return
+        self.plots.clear_output(wait=True)
+        if _in_kernel():
+            with self.plots:
+                from IPython.display import display
+
+                for fig in self.figures.values():
+                    display(fig)
+
+    @contextlib.contextmanager
+    def hold_drawing(self):
+        """Update state, readout and figures without drawing into the notebook (for scripted runs)."""
+        self._draw = False
+        try:
+            yield self
+        finally:
+            self._draw = True
+
+    def _phase_figure(self, p, head: int):
+        fig, ax = plt.subplots(figsize=(9, 3.4), constrained_layout=True)
+        for band, sl in band_slices(p.angle.shape[-1]).items():
+            err = p.angle[head][:, sl].double().mean(-1).numpy()
+            ax.plot(p.positions.numpy(), np.maximum(err, 1e-9), label=f"{band}-frequency pairs")
+        for x in self.landings[1:]:
+            ax.axvline(x - 0.5, color="0.5", lw=0.8, ls=":")
+        ax.set_yscale("log")
+        ax.set_xlabel("position in merged cache (tokens)")
+        ax.set_ylabel("mean phase error (rad)")
+        ax.set_title(f"{self.state['model']} / {self.state['strategy']}: phase error, layer {self.layer.value} ({p.layer_type}), head {head}")
+        ax.legend()
+        return fig
+
+    def _ipython_display_(self):
+        from IPython.display import display
+
+        display(self.widget)

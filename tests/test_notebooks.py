@@ -1,0 +1,91 @@
+"""The notebook suite: parameters flow through papermill, reports refuse bad requests, and
+the explorer redraws when its widgets change. (`make test` also runs nbval on the stored outputs.)"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import papermill as pm
+import pytest
+
+from kvlab.report import ReportError, finding, notebooks, plan
+
+ROOT = Path(__file__).resolve().parents[1]
+NB = ROOT / "notebooks"
+
+
+def test_every_notebook_has_question_parameters_conclusions_and_a_finding():
+    assert set(notebooks()) >= {"01_phase_error", "02_kv_heatmaps", "04_merge_explorer"}
+    for name, path in notebooks().items():
+        nb = json.loads(path.read_text())
+        cells = nb["cells"]
+        assert cells[0]["cell_type"] == "markdown" and "Question" in "".join(cells[0]["source"]), name
+        tagged = [c for c in cells if "parameters" in c.get("metadata", {}).get("tags", [])]
+        assert len(tagged) == 1, name
+        assert "model_name" in pm.inspect_notebook(str(path)), name
+        assert "Conclusions" in "".join(cells[-1]["source"]), name
+        assert finding(path) != "(no finding printed)", f"{name} is stored without its run's outputs"
+        for c in cells:
+            for o in c.get("outputs", []):
+                assert o.get("name") != "stderr", f"{name} stores stderr output: {''.join(o.get('text', ''))[:200]}"
+                assert o["output_type"] != "error", name
+
+
+@pytest.mark.parametrize("name", ["01_phase_error", "02_kv_heatmaps", "04_merge_explorer"])
+def test_parameters_flow_through_papermill(name, tmp_path):
+    texts = ["Alpha fragment speaks of rivers and stone.", " Beta fragment follows with birds,",
+             " gamma brings the rain,", " and delta ends it."]
+    out = tmp_path / f"{name}.ipynb"
+    pm.execute_notebook(str(NB / f"{name}.ipynb"), str(out), parameters={"model_name": "tiny-gemma3", "texts": texts},
+                        progress_bar=False, cwd=str(NB), kernel_name="python3")
+    text = out.read_text()
+    assert "model tiny-gemma3: 4 layers" in text
+    assert "tiny-gemma3" in finding(out)
+    assert "smollm2" not in finding(out)
+
+
+def test_report_refuses_unknown_notebooks_and_parameters_before_running():
+    with pytest.raises(ReportError, match="unknown notebook.*99_nope.*available: 01_phase_error"):
+        plan(["99_nope"], {}, None)
+    with pytest.raises(ReportError, match="01_phase_error does not declare parameter.*bogus"):
+        plan(["01_phase_error"], {"bogus": "1"}, None)
+    jobs = plan(["01_phase_error"], {"n_fragments": "3"}, "tiny-llama")
+    assert jobs[0][2] == {"n_fragments": 3, "model_name": "tiny-llama"}
+
+
+def test_report_writes_notebook_html_and_index(tmp_path):
+    from kvlab.report import run_report
+
+    index = run_report(tmp_path, only=["01_phase_error"], params={"n_fragments": "3"}, model="tiny-llama", progress=False)
+    assert (tmp_path / "01_phase_error.html").stat().st_size > 10_000
+    page = index.read_text()
+    assert "01_phase_error.html" in page and "tiny-llama" in page
+
+
+def test_explorer_redraws_when_widgets_change():
+    from kvlab.explorer import MergeExplorer
+    from kvlab import strategy_names
+
+    ex = MergeExplorer("tiny-gemma3", texts=["First fragment here.", " And the second one."], probes=[" and"])
+    assert list(ex.strategy.options) == strategy_names()
+    naive = dict(ex.state)
+    fig_before = ex.figures["phase"]
+    assert naive["strategy"] == "naive" and naive["max_phase_error"] > 0.1
+    ex.strategy.value = "rerotate"
+    assert ex.state["max_phase_error"] < 1e-3
+    assert ex.figures["phase"] is not fig_before
+    assert "rerotate" in ex.figures["phase"].axes[0].get_title()
+    assert "kvlab-max-phase" in ex.readout.value
+    ex.strategy.value = "fail"
+    assert "RoPE phase" in ex.state["refused"] and "refused" in ex.readout.value
+    ex.strategy.value = "naive"
+    ex.layer.value = 3
+    ex.head.value = 1
+    assert (ex.state["layer"], ex.state["head"]) == (3, 1)
+    assert "layer 3" in ex.figures["phase"].axes[0].get_title()
+    assert ex.figures["heatmap"].axes[0].get_ylabel() == "KV head (layer 3)"
+    before = ex.state["kl"]
+    ex.texts[1].value = " A different second fragment entirely."
+    assert ex.state["kl"] != before
+    ex.model.value = "tiny-llama"
+    assert ex.state["model"] == "tiny-llama" and ex.layer.max == 2
