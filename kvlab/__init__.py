@@ -4,6 +4,8 @@ from .models import DEFAULT_MODEL, LoadedModel, load_model, model_names
 from .fragments import Fragment, clone_cache, joined_prefill, prefill, prefill_ids, prefill_tokens, tokenize
 from .strategies import STRATEGIES, Strategy, register, strategy_names
 from .merge import landing_positions, merge
+from .fidelity import Fidelity, fidelity
+from . import recompute  # noqa: F401  (registers the "recompute" strategy)
 from .rope import layer_ropes, rotate_keys
 
 __all__ = [
@@ -11,5 +13,16 @@ __all__ = [
     "DEFAULT_MODEL", "LoadedModel", "load_model", "model_names",
     "Fragment", "clone_cache", "joined_prefill", "prefill", "prefill_ids", "prefill_tokens", "tokenize",
     "STRATEGIES", "Strategy", "register", "strategy_names",
-    "landing_positions", "merge", "layer_ropes", "rotate_keys",
+    "landing_positions", "merge", "layer_ropes", "rotate_keys", "Fidelity", "fidelity",
+]
+
+# Producer identity of cache files (issue 3).
+from .errors import CacheFileError, FingerprintMismatch
+from .fingerprint import STRICT_FIELDS, Difference, fingerprint
+from .cachefile import CacheFileWarning, load_cache, save_cache
+from .variants import VARIANT_KINDS, MismatchResult, mismatch_kl, variants
+
+__all__ += [
+    "CacheFileError", "FingerprintMismatch", "STRICT_FIELDS", "Difference", "fingerprint",
+    "CacheFileWarning", "load_cache", "save_cache", "VARIANT_KINDS", "MismatchResult", "mismatch_kl", "variants",
 ]

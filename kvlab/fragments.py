@@ -133,7 +133,8 @@ def prefill_ids(model: LoadedModel, ids: torch.Tensor, start: int = 0) -> Dynami
     L = ids.shape[-1]
     cache = new_cache(model.config)
     positions = torch.arange(start, start + L, device=model.device)[None].expand(ids.shape[0], -1)
-    model.model(input_ids=ids.to(model.device), position_ids=positions, cache=cache, use_cache=True)
+    # Only the cache is wanted: skip the vocabulary projection for all but one token.
+    model.model(input_ids=ids.to(model.device), position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
     return cache
 
 

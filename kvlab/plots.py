@@ -11,6 +11,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from .metrics import LayerDiff, LayerPhase, layer_position_grid, phase_by_position
 
@@ -106,6 +107,7 @@ def kv_heatmap(diffs: list[LayerDiff], model_name: str, strategy: str, reference
         _boundaries(ax, landings)
         ax.set_xlabel("position in merged cache (tokens)")
         ax.set_ylabel(ylabel)
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_title(f"|{which.upper()} - {reference}|")
         fig.colorbar(im, ax=ax, label=f"max |Δ{which.upper()}| over head_dim (activation units)")
     fig.suptitle(f"{model_name}: {strategy} vs {reference}")

@@ -31,12 +31,24 @@ def test_every_notebook_has_question_parameters_conclusions_and_a_finding():
                 assert o["output_type"] != "error", name
 
 
-@pytest.mark.parametrize("name", ["01_phase_error", "02_kv_heatmaps", "04_merge_explorer"])
+TEXTS = ["Alpha fragment speaks of rivers and stone.", " Beta fragment follows with birds,",
+         " gamma brings the rain,", " and delta ends it."]
+OTHER_PARAMS = {
+    "00_memos_defects": {"fragment_texts": TEXTS[:2], "query": " and then?", "turns": 2, "answer_tokens": 5},
+    "01_phase_error": {"texts": TEXTS, "n_fragments": 3},
+    "02_kv_heatmaps": {"texts": TEXTS, "layer": 2},
+    "03_fingerprint_kl": {"text": TEXTS[0], "probes": [" and", " so"], "finetune_steps": 2, "other_model": "tiny-llama"},
+    "04_merge_explorer": {"texts": TEXTS, "probes": [" and"]},
+    "05_fidelity_vs_cost": {"passages": TEXTS[:3], "questions": [" and", " so"], "ratios": [0.1, 0.5], "greedy_tokens": 2},
+}
+
+
+@pytest.mark.parametrize("name", sorted(OTHER_PARAMS))
 def test_parameters_flow_through_papermill(name, tmp_path):
-    texts = ["Alpha fragment speaks of rivers and stone.", " Beta fragment follows with birds,",
-             " gamma brings the rain,", " and delta ends it."]
+    assert set(OTHER_PARAMS) == set(notebooks())
     out = tmp_path / f"{name}.ipynb"
-    pm.execute_notebook(str(NB / f"{name}.ipynb"), str(out), parameters={"model_name": "tiny-gemma3", "texts": texts},
+    params = dict(OTHER_PARAMS[name], model_name="tiny-gemma3")
+    pm.execute_notebook(str(NB / f"{name}.ipynb"), str(out), parameters=params,
                         progress_bar=False, cwd=str(NB), kernel_name="python3")
     text = out.read_text()
     assert "model tiny-gemma3: 4 layers" in text
@@ -45,7 +57,7 @@ def test_parameters_flow_through_papermill(name, tmp_path):
 
 
 def test_report_refuses_unknown_notebooks_and_parameters_before_running():
-    with pytest.raises(ReportError, match="unknown notebook.*99_nope.*available: 01_phase_error"):
+    with pytest.raises(ReportError, match="unknown notebook.*99_nope.*available: 00_memos_defects, 01_phase_error"):
         plan(["99_nope"], {}, None)
     with pytest.raises(ReportError, match="01_phase_error does not declare parameter.*bogus"):
         plan(["01_phase_error"], {"bogus": "1"}, None)

@@ -1,0 +1,541 @@
+"""Producer fingerprints: which weights, tokenizer, dtype and geometry made a KV cache.
+
+A KV cache is a function of the exact model that computed it. :func:`fingerprint` names
+that model in a JSON-ready dict; :func:`compare` lists how two fingerprints differ, one
+:class:`Difference` per field.
+
+Strict fields (any difference refuses a cache file, see :func:`kvlab.load_cache`)
+---------------------------------------------------------------------------------
+``source``, ``source_sha256``
+    Where the weights came from (GGUF package and file, tiny seed, derived variant) and
+    the sha256 of that file. The same model *name* can resolve to different files.
+``architecture``
+    The model class. Two architectures can share every tensor shape and still compute
+    different keys (norms, activation, k_norm, bias).
+``config_sha256``
+    sha256 of the canonical config JSON, without volatile keys (``VOLATILE_CONFIG_KEYS``
+    and every ``_private`` key: paths, library versions, runtime switches). Any remaining
+    hyperparameter (eps, rope, activation, window) changes what the model computes.
+``tokenizer_sha256``
+    A cache is indexed by token ids; another tokenizer maps the same text to other ids, so
+    the cached positions no longer mean the tokens the reader thinks they do.
+``dtype``
+    Keys and values computed in another precision differ in every element.
+``quantization``
+    The GGUF type the weights were dequantized from, or a local variant such as an int8
+    round trip, or ``none``. Quantization changes every weight a little.
+``geometry``
+    What a cache layer holds: layer count, per-layer type (full or sliding), KV heads,
+    head_dim, rope parameters, sliding window. Compared per sub-field
+    (``geometry.kv_heads`` ...). A shape difference makes a cache unusable; a rope
+    difference makes every cached key carry the wrong phase.
+``weights_sha256``
+    A digest over every tensor of the state dict in sorted-name order. It is the only
+    field that sees a fine-tune or an in-place edit, which keep all other fields.
+
+Informational fields (recorded, never compared)
+-----------------------------------------------
+``info``: kvlab, transformers, torch, tokenizers and safetensors versions, the kvlab model
+name and the variant. A library upgrade computes the same function up to kernel
+rounding; refusing every cache on every upgrade would train users to pass
+``strict=False`` and so defeat the check.
+
+Cost
+----
+Everything but the weights and tokenizer digests is recomputed on each call (about a
+millisecond). The tokenizer digest (a serialization of the whole tokenizer) and the
+weights digest are remembered per live object and invalidated when the object changes
+(new storage, in-place edits bump a tensor's version counter). For a model loaded from
+kvlab's conversion cache they are also kept in that folder, as
+``fingerprint-<dtype>.json``, and trusted in a new process only when every tensor is
+still unmodified since loading and a sampled digest of every tensor agrees; pass
+``recompute=True`` to hash everything.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import threading
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+FINGERPRINT_VERSION = 1
+
+#: Fields whose difference refuses a cache file (see the module docstring for why).
+STRICT_FIELDS = (
+    "source",
+    "source_sha256",
+    "architecture",
+    "config_sha256",
+    "tokenizer_sha256",
+    "dtype",
+    "quantization",
+    "geometry",
+    "weights_sha256",
+)
+
+#: Sub-fields of ``geometry``, each compared (and reported) on its own.
+GEOMETRY_FIELDS = ("num_layers", "layer_types", "kv_heads", "head_dim", "sliding_window", "rope")
+
+#: Config keys that describe the run or the library, not the function the model computes.
+#: Keys starting with ``_`` (``_name_or_path``, ``_attn_implementation`` ...) are dropped too.
+VOLATILE_CONFIG_KEYS = frozenset({
+    "transformers_version",
+    "dtype",  # its own strict field
+    "torch_dtype",
+    "architectures",  # its own strict field
+    "quantization_config",  # its own strict field
+    "use_cache",
+    "output_attentions",
+    "output_hidden_states",
+    "return_dict",
+})
+
+_MISSING = object()
+_HEX = frozenset("0123456789abcdef")
+
+
+# --------------------------------------------------------------------------- hashing
+
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+# Below this many bytes in total, thread hand-off costs more than it saves.
+_PARALLEL_MIN_BYTES = 8 << 20
+
+
+def _pool() -> ThreadPoolExecutor | None:
+    global _POOL
+    workers = min(4, os.cpu_count() or 1)
+    if workers < 2:
+        return None
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvlab-sha256")
+        return _POOL
+
+
+def _sha256_hex(buf) -> str:
+    return hashlib.sha256(buf).hexdigest()
+
+
+def sha256_many(buffers: list) -> list[str]:
+    """sha256 hex digests of byte buffers, in order.
+
+    hashlib releases the GIL on large buffers, so big inputs are hashed on a small thread
+    pool, largest first, while the caller's thread is free to copy or write.
+    """
+    return [f.result() for f in submit_sha256(buffers)]
+
+
+class _Done:
+    def __init__(self, value):
+        self._value = value
+
+    def result(self):
+        return self._value
+
+
+def submit_sha256(buffers: list, parallel: bool | None = None) -> list:
+    """Start hashing ``buffers``; returns one future-like object (``.result()``) per buffer.
+
+    ``parallel=None`` uses the pool when the buffers are large enough to repay it; a
+    caller feeding many small buffers of one large job passes ``True``.
+    """
+    sizes = [memoryview(b).nbytes for b in buffers]
+    if parallel is None:
+        parallel = sum(sizes) >= _PARALLEL_MIN_BYTES
+    pool = _pool() if parallel else None
+    if pool is None:
+        return [_Done(_sha256_hex(b)) for b in buffers]
+    futures: list = [None] * len(buffers)
+    for i in sorted(range(len(buffers)), key=lambda i: -sizes[i]):
+        futures[i] = pool.submit(_sha256_hex, buffers[i])
+    return futures
+
+
+def tensor_bytes(t: torch.Tensor):
+    """A zero-copy ``uint8`` NumPy view of a contiguous CPU tensor's bytes."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous().reshape(-1)
+    return t.view(torch.uint8).numpy()
+
+
+def _canonical(obj) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=str)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# --------------------------------------------------------------------------- fields
+
+
+def config_digest(config) -> str:
+    """sha256 of the canonical config JSON, without volatile or ``_private`` keys."""
+    return hashlib.sha256(_canonical(_strip_config(config.to_dict())).encode()).hexdigest()
+
+
+def _strip_config(obj):
+    if isinstance(obj, dict):
+        return {k: _strip_config(v) for k, v in obj.items()
+                if not (isinstance(k, str) and (k.startswith("_") or k in VOLATILE_CONFIG_KEYS))}
+    if isinstance(obj, (list, tuple)):
+        return [_strip_config(v) for v in obj]
+    return obj
+
+
+def _special_ids(tokenizer) -> dict:
+    return {k: getattr(tokenizer, f"{k}_token_id", None) for k in ("bos", "eos", "pad", "unk")}
+
+
+def _tokenizer_signature(tokenizer) -> str:
+    # Cheap facts that change whenever tokens are added or special tokens reassigned; they
+    # guard the remembered digest, they are not the digest.
+    import tokenizers
+
+    return _canonical({"class": type(tokenizer).__name__, "len": len(tokenizer), "special": _special_ids(tokenizer),
+                       "tokenizers": tokenizers.__version__})
+
+
+def tokenizer_digest(tokenizer) -> str:
+    """sha256 of the full tokenizer (vocabulary, merges, normalizer, added tokens) and its special ids."""
+    h = hashlib.sha256(b"kvlab-tokenizer-v1\n")
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        trunc, pad = backend.truncation, backend.padding
+        # Truncation and padding are call-time settings that HF leaves on the backend;
+        # they do not change which ids a text maps to.
+        try:
+            if trunc is not None:
+                backend.no_truncation()
+            if pad is not None:
+                backend.no_padding()
+            h.update(backend.to_str().encode("utf-8", "surrogatepass"))
+        finally:
+            if trunc is not None:
+                backend.enable_truncation(**trunc)
+            if pad is not None:
+                backend.enable_padding(**pad)
+    else:
+        h.update(_canonical(sorted(tokenizer.get_vocab().items())).encode())
+    h.update(_canonical(_special_ids(tokenizer)).encode())
+    return h.hexdigest()
+
+
+def _text_config(config):
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
+def cache_geometry(model) -> dict:
+    """What each cache layer of ``model`` holds.
+
+    Returns
+    -------
+    dict
+        ``num_layers``; ``layer_types`` (``full_attention`` / ``sliding_attention`` per
+        layer, as ``DynamicCache(config=...)`` builds them); ``kv_heads``; ``head_dim``
+        (keys and values are ``[batch, kv_heads, kept, head_dim]``); ``sliding_window``
+        (``None`` without sliding layers); ``rope``: per layer type, the rope type,
+        rotary_dim, attention scaling and the config's rope parameters (``None`` for a
+        model without rotary embeddings).
+    """
+    from .fragments import new_cache
+    from .rope import layer_ropes
+
+    config = _text_config(model.config)
+    layers = new_cache(model.config).layers
+    types = ["sliding_attention" if layer.is_sliding else "full_attention" for layer in layers]
+    windows = sorted({int(layer.sliding_window) for layer in layers if layer.is_sliding})
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    try:
+        ropes = layer_ropes(model.model)
+    except Exception:  # noqa: BLE001 - no rotary module: a model without RoPE
+        ropes = None
+    rope = None
+    if ropes is not None:
+        params = getattr(config, "rope_parameters", None) or {}
+        rope = {}
+        for r in ropes:
+            if r.layer_type in rope:
+                continue
+            p = params.get(r.layer_type, params) if isinstance(params, dict) else {}
+            entry = {k: v for k, v in p.items() if isinstance(v, (int, float, str, list, type(None)))}
+            entry.update(rope_type=r.rope_type, rotary_dim=r.rotary_dim, attention_scaling=float(r.attention_scaling))
+            rope[r.layer_type] = entry
+    return {
+        "num_layers": len(layers),
+        "layer_types": types,
+        "kv_heads": int(kv_heads),
+        "head_dim": int(head_dim),
+        "sliding_window": (windows[0] if len(windows) == 1 else windows) if windows else None,
+        "rope": rope,
+    }
+
+
+def weights_digest(module: torch.nn.Module) -> str:
+    """sha256 over every tensor of ``module.state_dict()``, in sorted-name order.
+
+    Each tensor's bytes are hashed on their own (in parallel for large models); the digest
+    is the sha256 of one line per tensor, ``name, dtype, shape, sha256(bytes)``. A tensor
+    that shares storage with an earlier one (tied embeddings) is recorded as an alias of
+    it, so tying is part of the identity and shared bytes are hashed once.
+    """
+    state = module.state_dict()
+    lines: list[str] = []
+    jobs: list[tuple[int, torch.Tensor]] = []
+    seen: dict[tuple, str] = {}
+    for name in sorted(state):
+        t = state[name].detach()
+        # The alias key is taken before any copy to the CPU, which would break the sharing.
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+        if t.numel() and key in seen:
+            lines.append(f"{name}\talias\t{seen[key]}\n")
+            continue
+        seen[key] = name
+        jobs.append((len(lines), t))
+        lines.append(f"{name}\t{_dtype_name(t.dtype)}\t{list(t.shape)}\t")
+    digests = sha256_many([tensor_bytes(t) for _, t in jobs])
+    for (i, _), d in zip(jobs, digests):
+        lines[i] += d + "\n"
+    h = hashlib.sha256(b"kvlab-weights-v1\n")
+    for line in lines:
+        h.update(line.encode())
+    return h.hexdigest()
+
+
+def _sample_digest(state: dict) -> str:
+    # Three 256-byte windows per tensor: enough to notice a different checkpoint or a
+    # re-cast, cheap enough (about a millisecond) to run on every new process.
+    h = hashlib.sha256(b"kvlab-weights-sample-v1\n")
+    for name in sorted(state):
+        t = state[name].detach()
+        h.update(f"{name}\t{_dtype_name(t.dtype)}\t{list(t.shape)}\n".encode())
+        b = tensor_bytes(t)
+        n = b.nbytes
+        for at in {0, max(0, n // 2 - 128), max(0, n - 256)}:
+            h.update(b[at : at + 256])
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------- caching
+
+_TOKENIZER_MEMO: "weakref.WeakKeyDictionary[object, tuple[str, str]]" = weakref.WeakKeyDictionary()
+_WEIGHTS_MEMO: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, str]]" = weakref.WeakKeyDictionary()
+
+
+def _folder_cache_path(model) -> Path | None:
+    """The conversion-cache file of a model loaded unchanged from kvlab's cache folder."""
+    source = model.source or {}
+    folder = source.get("folder")
+    if not folder or source.get("variant") or source.get("derived"):
+        return None
+    return Path(folder) / f"fingerprint-{_dtype_name(model.dtype)}.json"
+
+
+def _read_folder_cache(path: Path | None) -> dict:
+    if path is None:
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) and data.get("version") == FINGERPRINT_VERSION else {}
+
+
+def _write_folder_cache(path: Path | None, update: dict) -> None:
+    if path is None:
+        return
+    from .models import _atomic_write_text
+
+    data = _read_folder_cache(path)
+    data.update(update, version=FINGERPRINT_VERSION)
+    try:
+        _atomic_write_text(path, json.dumps(data, indent=1, sort_keys=True))
+    except OSError:
+        pass  # a read-only cache folder only costs a recomputation next time
+
+
+def _tokenizer_digest_cached(model, recompute: bool) -> str:
+    tok = model.tokenizer
+    sig = _tokenizer_signature(tok)
+    memo = _TOKENIZER_MEMO.get(tok)
+    if memo is not None and memo[0] == sig and not recompute:
+        return memo[1]
+    path = _folder_cache_path(model)
+    entry = _read_folder_cache(path).get("tokenizer", {})
+    if not recompute and entry.get("signature") == sig and _is_hex64(entry.get("sha256")):
+        digest = entry["sha256"]
+    else:
+        digest = tokenizer_digest(tok)
+        _write_folder_cache(path, {"tokenizer": {"signature": sig, "sha256": digest}})
+    _TOKENIZER_MEMO[tok] = (sig, digest)
+    return digest
+
+
+def _weights_digest_cached(model, recompute: bool) -> str:
+    module = model.model
+    state = module.state_dict()
+    sig = tuple((n, t.data_ptr(), t.dtype, tuple(t.shape), t._version) for n, t in state.items())
+    memo = _WEIGHTS_MEMO.get(module)
+    if memo is not None and memo[0] == sig and not recompute:
+        return memo[1]
+    path = _folder_cache_path(model)
+    # from_pretrained leaves every version counter at 0; any in-place edit since loading
+    # bumps one, and then the folder's digest (of the weights as converted) cannot be trusted.
+    pristine = all(t._version == 0 for t in state.values())
+    entry = _read_folder_cache(path).get("weights", {}) if pristine else {}
+    digest = None
+    if entry and not recompute and _is_hex64(entry.get("sha256")):
+        if entry.get("sample_sha256") == _sample_digest(state):
+            digest = entry["sha256"]
+    if digest is None:
+        digest = weights_digest(module)
+        # Only a first entry is written: a model whose samples disagree with an existing
+        # entry is not the converted one, and must not overwrite its digest.
+        if pristine and not entry:
+            _write_folder_cache(path, {"weights": {"sha256": digest, "sample_sha256": _sample_digest(state)}})
+    _WEIGHTS_MEMO[module] = (sig, digest)
+    return digest
+
+
+def _is_hex64(s) -> bool:
+    return isinstance(s, str) and len(s) == 64 and set(s) <= _HEX
+
+
+# --------------------------------------------------------------------------- public
+
+
+def _source(model) -> tuple[str, str | None]:
+    s = model.source or {}
+    if s.get("gguf_file"):
+        base = f"gguf:{s.get('package', '?')}/{s['gguf_file']}"
+    elif s.get("kind") == "tiny":
+        base = f"tiny:{s.get('name', model.name)}"
+    else:
+        base = f"{s.get('kind', 'model')}:{s.get('name', model.name)}"
+    if s.get("derived"):
+        base += f" + {s['derived']}"
+    return base, s.get("gguf_sha256")
+
+
+@functools.lru_cache(maxsize=1)
+def _versions() -> dict:
+    # importlib.metadata reads files on every call (about 10 ms); versions do not change in a process.
+    import importlib.metadata as md
+
+    out = {}
+    for dist in ("kvlab", "transformers", "torch", "tokenizers", "safetensors"):
+        try:
+            out[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def fingerprint(model, *, weights: bool = True, recompute: bool = False) -> dict:
+    """Who a KV cache made by ``model`` comes from, as a JSON-ready dict.
+
+    Parameters
+    ----------
+    model : LoadedModel
+    weights : bool
+        Include ``weights_sha256`` (hashes every weight once per process, less when kept
+        in the conversion-cache folder). ``False`` leaves it ``None``.
+    recompute : bool
+        Ignore remembered tokenizer and weights digests and hash everything again.
+
+    Returns
+    -------
+    dict
+        ``fingerprint_version``, the strict fields of :data:`STRICT_FIELDS` and ``info``
+        (versions and names, never compared). A fresh dict on every call.
+    """
+    source, source_sha = _source(model)
+    fp = {
+        "fingerprint_version": FINGERPRINT_VERSION,
+        "source": source,
+        "source_sha256": source_sha,
+        "architecture": type(model.model).__name__,
+        "config_sha256": config_digest(model.config),
+        "tokenizer_sha256": _tokenizer_digest_cached(model, recompute),
+        "dtype": _dtype_name(model.dtype),
+        "quantization": (model.source or {}).get("quantization") or "none",
+        "geometry": cache_geometry(model),
+        "weights_sha256": _weights_digest_cached(model, recompute) if weights else None,
+        "info": dict(_versions(), model_name=model.name, variant=(model.source or {}).get("variant")),
+    }
+    # Round-trip through JSON so a live fingerprint compares equal to one read from a file.
+    return json.loads(json.dumps(fp))
+
+
+@dataclass(frozen=True)
+class Difference:
+    """One strict field that differs between a cache file's producer and a live model."""
+
+    field: str
+    file: object
+    model: object
+
+    def __str__(self) -> str:
+        return f"{self.field}: file {show(self.file)}, model {show(self.model)}"
+
+
+def show(value, limit: int = 160) -> str:
+    """A short human form of a fingerprint value (digests cut to 16 hex digits)."""
+    if value is _MISSING:
+        return "(absent)"
+    if value is None:
+        return "none"
+    if _is_hex64(value):
+        return value[:16] + "…"
+    if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        runs: list[list] = []
+        for v in value:
+            if runs and runs[-1][0] == v:
+                runs[-1][1] += 1
+            else:
+                runs.append([v, 1])
+        text = "[" + ", ".join(v if n == 1 else f"{n}x {v}" for v, n in runs) + "]"
+    elif isinstance(value, str):
+        text = value
+    else:
+        text = _canonical(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def compare(file_fp, live_fp: dict) -> list[Difference]:
+    """Every strict field in which ``file_fp`` differs from ``live_fp``.
+
+    ``geometry`` is compared per sub-field. A live ``weights_sha256`` of ``None`` (computed
+    with ``weights=False``) is not compared. Values compare as canonical JSON, so a file
+    cannot pass ``1.0`` for ``1`` or ``true`` for ``1``.
+    """
+    if not isinstance(file_fp, dict):
+        return [Difference("fingerprint", file_fp, "a fingerprint dict")]
+    out = []
+    for field in STRICT_FIELDS:
+        a, b = file_fp.get(field, _MISSING), live_fp.get(field)
+        if field == "weights_sha256" and b is None:
+            continue
+        if field == "geometry" and isinstance(a, dict) and isinstance(b, dict):
+            for g in GEOMETRY_FIELDS:
+                ga, gb = a.get(g, _MISSING), b.get(g)
+                if ga is _MISSING or _canonical(ga) != _canonical(gb):
+                    out.append(Difference(f"geometry.{g}", ga, gb))
+            continue
+        if a is _MISSING or _canonical(a) != _canonical(b):
+            out.append(Difference(field, a, b))
+    return out
