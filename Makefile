@@ -30,6 +30,7 @@ report: setup
 
 # nbval re-runs every notebook and compares its printed numbers with the stored run.
 test: setup gemma
+	sh scripts/install-browser.sh
 	MPLBACKEND=Agg $(VENV)/bin/python -m pytest -q -p no:cacheprovider tests notebooks \
 		--nbval --nbval-sanitize-with notebooks/sanitize.cfg
 

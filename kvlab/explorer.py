@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import html
+import io
 
 import ipywidgets as W
 import matplotlib.pyplot as plt
@@ -21,16 +22,6 @@ from .metrics import context_reference, kv_diff, next_token_kl, phase_error, pha
 from .models import DEFAULT_MODEL, LoadedModel, load_model
 from .plots import band_slices, kv_heatmap
 from .strategies import STRATEGIES, strategy_names
-
-
-def _in_kernel() -> bool:
-    # Outside a Jupyter kernel (plain pytest) an Output widget would just print reprs.
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return False
-    ip = get_ipython()
-    return ip is not None and hasattr(ip, "kernel")
 
 
 class MergeExplorer:
@@ -65,7 +56,11 @@ class MergeExplorer:
         self.ratio = W.FloatSlider(min=0.0, max=1.0, step=0.05, value=0.15, description="recompute r")
         self.readout = W.HTML()
         self.table = W.HTML()
-        self.plots = W.Output()
+        # Figures are shown as PNG bytes in Image widgets: plain widget state that any front end
+        # draws whenever it renders the explorer (an Output widget capturing display() lost the
+        # first render in JupyterLab, and left the inline backend to print stray copies).
+        self.images = {"phase": W.Image(format="png"), "heatmap": W.Image(format="png")}
+        self.plots = W.VBox(list(self.images.values()))
         self.state: dict = {}
         self.figures: dict = {}
         self._key = None
@@ -142,13 +137,12 @@ class MergeExplorer:
         self.ratio.layout.display = None if self._options() else "none"
 
     def _render(self) -> None:
-        for fig in self.figures.values():
-            plt.close(fig)
         self.figures = {}
         if "refused" in self.state:
             self.readout.value = f"<b>{self.state['strategy']} refused:</b> {html.escape(self.state['refused'])}"
             self.table.value = ""
-            self.plots.clear_output()
+            if self._draw:
+                self.plots.layout.display = "none"
             return
         li, hi = self.layer.value, self.head.value
         p = self.phases[li]
@@ -168,15 +162,17 @@ class MergeExplorer:
         self.figures["phase"] = self._phase_figure(p, hi)
         self.figures["heatmap"] = kv_heatmap(self.diffs, self.state["model"], self.state["strategy"], "phase ref",
                                              self.landings, layer=li)
-        if not self._draw:
-            return
-        self.plots.clear_output(wait=True)
-        if _in_kernel():
-            with self.plots:
-                from IPython.display import display
+        for fig in self.figures.values():
+            plt.close(fig)  # off pyplot's list, so the inline backend does not print them below the cell
+        if self._draw:
+            self._draw_figures()
 
-                for fig in self.figures.values():
-                    display(fig)
+    def _draw_figures(self) -> None:
+        for name, fig in self.figures.items():
+            buf = io.BytesIO()
+            fig.savefig(buf, format="png", bbox_inches="tight")
+            self.images[name].value = buf.getvalue()
+        self.plots.layout.display = None
 
     @contextlib.contextmanager
     def hold_drawing(self):
@@ -186,6 +182,7 @@ class MergeExplorer:
             yield self
         finally:
             self._draw = True
+            self._render()  # show what the state now says
 
     def _phase_figure(self, p, head: int):
         fig, ax = plt.subplots(figsize=(9, 3.4), constrained_layout=True)
