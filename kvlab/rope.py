@@ -160,6 +160,45 @@ def delta_cos_sin(inv_freq: torch.Tensor, delta: int | torch.Tensor, dtype: torc
     return ang.cos().to(dtype), ang.sin().to(dtype)
 
 
+def rotation(inv_freq: torch.Tensor, delta: int | torch.Tensor, dtype: torch.dtype, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotation by ``delta`` positions, ready for :func:`apply_rotation`.
+
+    Returns
+    -------
+    cos2 : torch.Tensor
+        ``[r]`` (or ``[T, r]``): ``cos`` repeated for both halves of the rotary dims.
+    sin : torch.Tensor
+        ``[r/2]`` (or ``[T, r/2]``).
+    """
+    work = dtype if dtype in (torch.float32, torch.float64) else torch.float32
+    cos, sin = delta_cos_sin(inv_freq if device is None else inv_freq.to(device), delta, work)
+    return torch.cat([cos, cos], dim=-1), sin
+
+
+def apply_rotation(keys: torch.Tensor, cos2: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Apply a rotation from :func:`rotation` to ``[..., head_dim]`` keys (see :func:`rotate_keys`)."""
+    half = sin.shape[-1]
+    r = 2 * half
+    if r > keys.shape[-1]:
+        raise UnsupportedRopeError(f"rotary_dim {r} exceeds head_dim {keys.shape[-1]}")
+    work = cos2.dtype
+    if out is None:
+        out = torch.empty_like(keys)
+    # Half precision keys are rotated in fp32 and rounded once.
+    x = keys if work == keys.dtype else keys.to(work)
+    o = out if work == keys.dtype else torch.empty_like(x)
+    # x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin, in three passes over memory: one
+    # multiply by [cos, cos] over the whole rotary part, then one fused update per half.
+    torch.mul(x[..., :r], cos2, out=o[..., :r])
+    o[..., :half].addcmul_(x[..., half:r], sin, value=-1)
+    o[..., half:r].addcmul_(x[..., :half], sin)
+    if r < keys.shape[-1]:
+        o[..., r:] = x[..., r:]
+    if o is not out:
+        out.copy_(o)
+    return out
+
+
 def rotate_keys(keys: torch.Tensor, inv_freq: torch.Tensor, delta: int | torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Rotate cached keys forward by ``delta`` positions (backward if negative).
 
@@ -180,27 +219,10 @@ def rotate_keys(keys: torch.Tensor, inv_freq: torch.Tensor, delta: int | torch.T
     torch.Tensor
         ``[batch, kv_heads, seq, head_dim]``, a new tensor unless ``out`` is given; ``keys`` is not modified.
     """
-    half = inv_freq.numel()
-    r = 2 * half
-    if r > keys.shape[-1]:
-        raise UnsupportedRopeError(f"rotary_dim {r} exceeds head_dim {keys.shape[-1]}")
-    # Half precision keys are rotated in fp32 and rounded once.
-    work = keys.dtype if keys.dtype in (torch.float32, torch.float64) else torch.float32
-    cos, sin = delta_cos_sin(inv_freq.to(keys.device), delta, work)
-    if out is None:
-        out = torch.empty_like(keys)
-    x = keys if work == keys.dtype else keys.to(work)
-    o = out if work == keys.dtype else torch.empty_like(x)
-    # x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin, in three passes over memory: one
-    # multiply by [cos, cos] over the whole rotary part, then one fused update per half.
-    torch.mul(x[..., :r], torch.cat([cos, cos], dim=-1), out=o[..., :r])
-    o[..., :half].addcmul_(x[..., half:r], sin, value=-1)
-    o[..., half:r].addcmul_(x[..., :half], sin)
-    if r < keys.shape[-1]:
-        o[..., r:] = x[..., r:]
-    if o is not out:
-        out.copy_(o)
-    return out
+    if 2 * inv_freq.numel() > keys.shape[-1]:
+        raise UnsupportedRopeError(f"rotary_dim {2 * inv_freq.numel()} exceeds head_dim {keys.shape[-1]}")
+    cos2, sin = rotation(inv_freq, delta, keys.dtype, keys.device)
+    return apply_rotation(keys, cos2, sin, out)
 
 
 def check_positions(config, end: int, what: str) -> None:

@@ -16,7 +16,7 @@ from transformers import DynamicCache
 from .errors import MergeError
 from .fragments import Fragment, _set_length, clone_cache, joined_prefill, new_cache
 from .models import LoadedModel
-from .rope import check_composable, layer_ropes, longrope_inv_freq, rotate_keys
+from .rope import apply_rotation, check_composable, layer_ropes, longrope_inv_freq, rotation
 
 STRATEGIES: dict[str, type["Strategy"]] = {}
 
@@ -146,13 +146,19 @@ class Rerotate(Strategy):
 
     def __call__(self, fragments, landings, model):
         inv_freqs = rerotation_frequencies(model, fragments, landings)
+        # Layers of one type share a frequency tensor: build each (frequencies, shift)
+        # rotation once, not once per layer (it dominates short merges otherwise).
+        rotations = {}
 
         def write(k, li, f, land, out):
             delta = land - f.start
             if delta == 0:
                 out.copy_(k)
-            else:
-                rotate_keys(k, inv_freqs[li], delta, out=out)
+                return
+            key = (id(inv_freqs[li]), delta, k.dtype, k.device)
+            if key not in rotations:
+                rotations[key] = rotation(inv_freqs[li], delta, k.dtype, k.device)
+            apply_rotation(k, *rotations[key], out=out)
 
         return concat_layers(fragments, landings, write)
 
