@@ -1,7 +1,6 @@
 """The rows of ``kvlab models``: geometry and rope of every model, without converting any."""
 from __future__ import annotations
 
-import json
 
 from .models import GGUF_MODELS, _quiet_transformers, converted_dir
 from .rope import layer_types

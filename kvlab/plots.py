@@ -63,16 +63,14 @@ def phase_by_band_bars(phases_by_strategy: dict[str, list[LayerPhase]], model_na
     """Mean phase error per layer type and frequency band, as bars (radians, log scale)."""
     layer_types = sorted({p.layer_type for ps in phases_by_strategy.values() for p in ps})
     fig, ax = plt.subplots(figsize=(8, 3.6), constrained_layout=True)
-    labels, width = [], 0.8 / max(1, len(phases_by_strategy))
+    width = 0.8 / max(1, len(phases_by_strategy))
+    first = next(iter(phases_by_strategy.values()))
+    groups = [(lt, band, sl) for lt in layer_types
+              for band, sl in band_slices(next(p for p in first if p.layer_type == lt).angle.shape[-1]).items()]
+    labels = [f"{lt.split('_')[0]}\n{band}" for lt, band, _ in groups]
     for si, (name, phases) in enumerate(phases_by_strategy.items()):
-        vals = []
-        labels = []
-        for lt in layer_types:
-            n_pairs = next(p for p in phases if p.layer_type == lt).angle.shape[-1]
-            for band, sl in band_slices(n_pairs).items():
-                _, err = phase_by_position(phases, layer_type=lt, band=sl)
-                vals.append(max(float(np.nanmean(err.numpy())), 1e-9))
-                labels.append(f"{lt.split('_')[0]}\n{band}")
+        vals = [max(float(np.nanmean(phase_by_position(phases, layer_type=lt, band=sl)[1].numpy())), 1e-9)
+                for lt, _, sl in groups]
         ax.bar(np.arange(len(vals)) + si * width, vals, width, label=name)
     ax.set_xticks(np.arange(len(labels)) + width * (len(phases_by_strategy) - 1) / 2, labels)
     ax.set_yscale("log")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import html
 import json
-import os
 import time
 from pathlib import Path
 
