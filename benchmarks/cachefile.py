@@ -184,8 +184,9 @@ def main() -> None:
             models.append(kvlab.load_model("gemma3-270m"))
         for m in models:
             bench_fingerprint(m, args.repeats)
-        print("cold: nothing remembered (tokenizer serialized and hashed); folder cache: a new process, the model's "
-              "conversion folder holds the tokenizer digest; in memory: a repeat call.")
+        print("cold: a tokenizer kvlab never saw (serialized and hashed; models from load_model never take this "
+              "path); folder cache: the first call in a new process, the tokenizer digest read from the model's "
+              "conversion folder (written at conversion); in memory: a repeat call.")
         print("\n== weights digest vs hashlib.sha256 over the same bytes in one buffer ==")
         for m in models:
             bench_weights(m, max(3, args.repeats // 2))

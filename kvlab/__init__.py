@@ -1,7 +1,8 @@
 """kvlab: is a merged or reloaded transformer KV cache still right?"""
 from .errors import KvlabError, MergeError, ModelError, PositionError, UnsupportedRopeError
 from .models import DEFAULT_MODEL, LoadedModel, load_model, model_names
-from .fragments import Fragment, clone_cache, joined_prefill, prefill, prefill_ids, prefill_tokens, tokenize
+from .fragments import (Fragment, clone_cache, joined_prefill, new_cache, prefill, prefill_ids, prefill_tokens,
+                        set_length, tokenize)
 from .strategies import STRATEGIES, Strategy, register, strategy_names
 from .merge import landing_positions, merge
 from .fidelity import Fidelity, fidelity
@@ -11,7 +12,8 @@ from .rope import layer_ropes, rotate_keys
 __all__ = [
     "KvlabError", "MergeError", "ModelError", "PositionError", "UnsupportedRopeError",
     "DEFAULT_MODEL", "LoadedModel", "load_model", "model_names",
-    "Fragment", "clone_cache", "joined_prefill", "prefill", "prefill_ids", "prefill_tokens", "tokenize",
+    "Fragment", "clone_cache", "joined_prefill", "new_cache", "prefill", "prefill_ids", "prefill_tokens",
+    "set_length", "tokenize",
     "STRATEGIES", "Strategy", "register", "strategy_names",
     "landing_positions", "merge", "layer_ropes", "rotate_keys", "Fidelity", "fidelity",
 ]

@@ -87,14 +87,18 @@ def clone_cache(cache: DynamicCache, config) -> DynamicCache:
     out = new_cache(config)
     for i, layer in enumerate(cache.layers):
         out.update(layer.keys.clone(), layer.values.clone(), i)
-        _set_length(out.layers[i], layer.get_seq_length())
+        set_length(out.layers[i], layer.get_seq_length())
     return out
 
 
-def _set_length(layer, total: int) -> None:
-    # A sliding layer only keeps its last window-1 tokens, but masks (get_mask_sizes) and
-    # get_seq_length read cumulative_length: it must count every token ever seen, not
-    # just the ones handed to update().
+def set_length(layer, total: int) -> None:
+    """Make a cache layer filled by ``update`` report ``total`` tokens seen.
+
+    A sliding layer keeps only its last ``window - 1`` tokens, but masks
+    (``get_mask_sizes``) and ``get_seq_length`` read ``cumulative_length``, which must
+    count every token of the sequence, not just the ones handed to ``update``. A full
+    layer already counts what it holds and is left alone.
+    """
     if layer.is_sliding:
         layer.cumulative_length = total
 

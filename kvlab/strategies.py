@@ -14,7 +14,7 @@ import torch
 from transformers import DynamicCache
 
 from .errors import MergeError
-from .fragments import Fragment, _set_length, clone_cache, joined_prefill, new_cache
+from .fragments import Fragment, clone_cache, joined_prefill, new_cache, set_length
 from .models import LoadedModel
 from .rope import apply_rotation, check_composable, layer_ropes, longrope_inv_freq, rotation
 
@@ -84,7 +84,7 @@ def concat_layers(fragments: list[Fragment], landings: list[int], write_keys) ->
             at += k.shape[-2]
         V = torch.cat([f.cache.layers[li].values[..., skip:, :] for f, _, skip in pieces], dim=-2)
         merged.update(K, V, li)
-        _set_length(merged.layers[li], total)
+        set_length(merged.layers[li], total)
     return merged
 
 

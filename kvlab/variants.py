@@ -24,7 +24,7 @@ import torch
 from .cachefile import CacheFileWarning, load_cache, read_header, save_cache
 from .errors import KvlabError, MergeError
 from .fingerprint import Difference, compare, fingerprint
-from .fragments import Fragment, _set_length, new_cache, prefill, prefill_ids, source_ids
+from .fragments import Fragment, new_cache, prefill, prefill_ids, set_length, source_ids
 from .metrics import next_token_kl
 from .models import LoadedModel
 
@@ -203,7 +203,7 @@ def _cast(fragment: Fragment, reader: LoadedModel):
     cache = new_cache(reader.config)
     for i, layer in enumerate(fragment.cache.layers):
         cache.update(layer.keys.to(reader.device, reader.dtype), layer.values.to(reader.device, reader.dtype), i)
-        _set_length(cache.layers[i], layer.get_seq_length())
+        set_length(cache.layers[i], layer.get_seq_length())
     return cache
 
 

@@ -138,7 +138,7 @@ def test_file_is_plain_safetensors(saved, frag):
         assert set(f.metadata()) == {"kvlab", "kvlab_sha256"}
         assert torch.equal(f.get_tensor("layers.2.values"), frag.cache.layers[2].values)
     h = read_header(saved)
-    assert h["format_version"] == 1 and h["producer"]["architecture"] == "LlamaForCausalLM"
+    assert h["format_version"] == 2 and h["tensor_digest"] == "xxh3-128" and h["producer"]["architecture"] == "LlamaForCausalLM"
     assert h["token_ids"] == frag.token_ids.tolist() and h["text"] == TEXT
     assert len(h["tensors"]) == 2 * len(frag.cache.layers)
 
@@ -346,16 +346,33 @@ def test_flipped_bytes_in_tensor_data_name_the_tensor(saved, llama, tmp_path):
         for at in (a, (a + b) // 2, b - 1):
             bad = bytearray(data)
             bad[end + at] ^= 0x01
-            with pytest.raises(CacheFileError, match=rf"data of {re.escape(name)} does not match its sha256"):
+            with pytest.raises(CacheFileError, match=rf"data of {re.escape(name)} does not match its xxh3-128 digest"):
                 load_cache(corrupt(tmp_path / "d.kvcache", bytes(bad)), llama)
 
 
 def test_wrong_format_version(tmp_path, llama, frag):
-    for version, why in ((2, "format version 2 is not supported \\(written by a newer kvlab\\)"),
-                         (0, "format version 0 is not supported"), ("1", "format version '1' is not supported")):
+    for version, why in ((3, "format version 3 is not supported \\(written by a newer kvlab\\)"),
+                         (1, "format version 1 is not supported; this kvlab reads version 2"),
+                         (0, "format version 0 is not supported"), ("2", "format version '2' is not supported")):
         path = write_with(tmp_path / "v.kvcache", frag, llama, lambda h: h.update(format_version=version))
         with pytest.raises(CacheFileError, match=why):
             load_cache(path, llama)
+
+
+def test_unknown_tensor_digest_algorithm(tmp_path, llama, frag):
+    path = write_with(tmp_path / "a.kvcache", frag, llama, lambda h: h.update(tensor_digest="sha256"))
+    with pytest.raises(CacheFileError, match="tensor_digest 'sha256' is not supported; this kvlab reads 'xxh3-128'"):
+        load_cache(path, llama)
+
+
+def test_digests_are_of_the_tensor_bytes(saved, frag):
+    # Independent of kvlab's own helper: XXH3-128 of each tensor's raw bytes, as any reader computes it.
+    import xxhash
+
+    h = read_header(saved)
+    for i, layer in enumerate(frag.cache.layers):
+        raw = layer.keys.contiguous().numpy().tobytes()
+        assert h["tensors"][f"layers.{i}.keys"] == xxhash.xxh3_128_hexdigest(raw)
 
 
 def test_header_length_past_the_end(saved, llama, tmp_path):
@@ -377,12 +394,10 @@ def test_missing_tensor(tmp_path, llama, frag):
 
 
 def _full_header(frag, model, tensors):
-    from kvlab.fingerprint import sha256_many, tensor_bytes
-
     header, real = cf._describe(frag, fingerprint(model))
     names = [n for n, _ in real]
-    digests = dict(zip(names, sha256_many([tensor_bytes(t) for _, t in real])))
-    header.update(tensors=digests, content_sha256=cf.content_digest(names, digests))
+    digests = {n: cf.tensor_digest(t) for n, t in real}
+    header.update(tensors=digests, content_digest=cf.content_digest(names, digests))
     return header
 
 
@@ -456,7 +471,7 @@ def test_a_protocol_0_pickle_gets_a_hint(tmp_path, llama):
 def test_a_safetensors_header_length_starting_with_0x80_is_not_a_pickle(tmp_path, llama, frag):
     # A header of 0x10280 bytes starts the file with 80 02: what a protocol-2 pickle starts with.
     header, tensors = cf._describe(frag, fingerprint(llama))
-    header.update(text="", tensors={n: "0" * 64 for n, _ in tensors}, content_sha256="0" * 64)
+    header.update(text="", tensors={n: "0" * 32 for n, _ in tensors}, content_digest="0" * 32)
     entries, at = [], 0
     for name, t in tensors:
         entries.append((name, "F32", list(t.shape), at, at + t.numel() * t.element_size()))
@@ -542,7 +557,7 @@ def _expect_only_kvlab_errors(path, model):
 
 PATHS = st.sampled_from([
     ("format",), ("format_version",), ("producer",), ("model_name",), ("start",), ("length",), ("dtype",),
-    ("layers",), ("token_ids",), ("text",), ("tensors",), ("content_sha256",), ("layers", 0), ("layers", 0, "type"),
+    ("layers",), ("token_ids",), ("text",), ("tensors",), ("tensor_digest",), ("content_digest",), ("layers", 0), ("layers", 0, "type"),
     ("layers", 1, "window"), ("layers", 3, "kept"), ("layers", 2, "keys"), ("layers", 0, "values"),
     ("producer", "geometry"), ("producer", "dtype"), ("producer", "geometry", "num_layers"), ("token_ids", 0),
     ("layers", 0, "keys", 2), ("tensors", "layers.0.keys"),

@@ -245,7 +245,8 @@ def test_folder_keeps_the_fingerprint_and_a_new_process_reuses_it(converted, mon
     first = fingerprint(load())
     stored = json.loads((folder / "fingerprint-float32.json").read_text())
     assert stored["weights"]["sha256"] == first["weights_sha256"]
-    assert stored["tokenizer"]["sha256"] == first["tokenizer_sha256"]
+    kept = json.loads((folder / "fingerprint-tokenizer.json").read_text())
+    assert kept["tokenizer"]["sha256"] == first["tokenizer_sha256"]
 
     def no_hashing(*a, **k):
         raise AssertionError("the folder's digest should have been used")
@@ -268,3 +269,18 @@ def test_folder_digest_is_not_trusted_after_an_edit(converted):
     w.data = torch.zeros_like(w)  # new storage at version 0: the sampled check catches it
     assert fingerprint(swapped)["weights_sha256"] != first["weights_sha256"]
     assert json.loads((folder / "fingerprint-float32.json").read_text())["weights"]["sha256"] == first["weights_sha256"]
+
+
+def test_kept_tokenizer_digest_is_not_trusted_after_its_files_change(converted, llama, monkeypatch):
+    folder, load = converted
+    llama.tokenizer.save_pretrained(folder)
+    first = fingerprint(load())
+    calls = []
+    real = fpmod.tokenizer_digest
+    monkeypatch.setattr(fpmod, "tokenizer_digest", lambda tok: calls.append(1) or real(tok))
+    assert fingerprint(load()) == first and calls == []  # files unchanged: the kept digest serves
+    cfg = folder / "tokenizer_config.json"
+    cfg.write_text(cfg.read_text().replace("{", '{"edited_by_hand": true, ', 1))
+    assert fingerprint(load())["tokenizer_sha256"] == first["tokenizer_sha256"]  # the live tokenizer is the same
+    assert calls == [1]  # ... but it was hashed again, not taken on trust
+    assert fingerprint(load()) == first and calls == [1]  # and the refreshed entry serves the next process

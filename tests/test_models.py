@@ -90,7 +90,10 @@ def test_two_first_loads_at_once_share_one_intact_cache(tmp_path):
         ids = kvlab.tokenize(m, "The capital of France is")
         with torch.inference_mode():
             logits = m.model(ids[None]).logits[0, -1]
-        print(json.dumps({"folder": m.source["folder"], "top": int(logits.argmax()), "sum": float(logits.double().sum())}))
+        kept = json.load(open(m.source["folder"] + "/fingerprint-tokenizer.json"))["tokenizer"]["sha256"]
+        fresh = kvlab.fingerprint(m, weights=False, recompute=True)["tokenizer_sha256"]
+        print(json.dumps({"folder": m.source["folder"], "top": int(logits.argmax()), "sum": float(logits.double().sum()),
+                          "kept_tokenizer_digest_is_fresh": kept == fresh}))
         """
     )
     env = dict(os.environ, KVLAB_CACHE=str(tmp_path))
@@ -101,6 +104,8 @@ def test_two_first_loads_at_once_share_one_intact_cache(tmp_path):
         assert p.returncode == 0, err[-2000:]
         outs.append(json.loads(out.strip().splitlines()[-1]))
     assert outs[0] == outs[1]
+    # The conversion kept the tokenizer digest of the tokenizer exactly as a later load reads it.
+    assert outs[0]["kept_tokenizer_digest_is_fresh"] is True
     folders = list((tmp_path / "models").iterdir())
     assert [f.name for f in folders if not f.name.startswith(".")] == [os.path.basename(outs[0]["folder"])]
     assert not [f for f in folders if f.name.startswith(".")], "temporary folders left behind"
