@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib
 import importlib.util
 import os
 import shutil
@@ -37,9 +36,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import kvlab
+import kvlab.identity as fpmod
 from kvlab.fragments import new_cache
-
-fpmod = importlib.import_module("kvlab.fingerprint")  # kvlab.fingerprint is the function
 TUNED = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(4 << 30), "MALLOC_TOP_PAD_": str(256 << 20)}
 
 

@@ -20,9 +20,9 @@ __all__ = [
 
 # Producer identity of cache files (issue 3).
 from .errors import CacheFileError, FingerprintMismatch
-from .fingerprint import STRICT_FIELDS, Difference, fingerprint
+from .identity import STRICT_FIELDS, Difference, fingerprint
 from .cachefile import CacheFileWarning, load_cache, save_cache
-from .variants import VARIANT_KINDS, MismatchResult, mismatch_kl, variants
+from .mismatch import VARIANT_KINDS, MismatchResult, mismatch_kl, variants
 
 __all__ += [
     "CacheFileError", "FingerprintMismatch", "STRICT_FIELDS", "Difference", "fingerprint",

@@ -47,7 +47,7 @@ import xxhash
 from transformers import DynamicCache
 
 from .errors import CacheFileError, FingerprintMismatch
-from .fingerprint import Difference, compare, fingerprint, tensor_bytes
+from .identity import Difference, compare, fingerprint, tensor_bytes
 from .fragments import Fragment, new_cache, set_length
 from .models import LoadedModel
 

@@ -36,6 +36,19 @@ def _check(args) -> int:
     return 0
 
 
+def _mismatch(args) -> int:
+    from .mismatch import format_study, mismatch_study
+    from .models import load_model
+
+    results = mismatch_study(load_model(args.model), steps=args.steps)
+    print(format_study(results))
+    if args.verbose:
+        for res in results.values():
+            print()
+            print(res.table())
+    return 0
+
+
 def _report(args) -> int:
     from pathlib import Path
 
@@ -58,6 +71,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.set_defaults(func=_check)
+    from .mismatch import FINETUNE_DEFAULTS
+
+    p = sub.add_parser("mismatch", help="KL and top-1 flips when each same-shape variant reads the model's cache")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--steps", type=int, default=FINETUNE_DEFAULTS["steps"], help="fine-tune steps")
+    p.add_argument("--verbose", action="store_true", help="also print every probe's top-1 tokens")
+    p.set_defaults(func=_mismatch)
     p = sub.add_parser("report", help="execute the notebooks with papermill into an HTML report")
     p.add_argument("--model", default=None, help="model for every notebook (default: each notebook's own)")
     p.add_argument("--out", default="reports")

@@ -28,7 +28,7 @@ class UnsupportedRopeError(MergeError):
 class FingerprintMismatch(KvlabError):
     """A cache file was made by another model (weights, tokenizer, dtype, geometry ...) than the reader.
 
-    ``differences`` lists each differing strict field as a ``kvlab.fingerprint.Difference``
+    ``differences`` lists each differing strict field as a ``kvlab.Difference``
     (empty when the file carries no fingerprint at all).
     """
 

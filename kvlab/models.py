@@ -202,7 +202,7 @@ def _convert(spec: GGUFSpec, gguf: Path, sha: str, folder: Path) -> None:
         tokenizer.save_pretrained(tmp)
         # Serializing a large tokenizer for its digest takes 0.4 s (Gemma 3); do it once
         # here, on the tokenizer exactly as later loads will read it, not on every fingerprint.
-        from .fingerprint import store_tokenizer_digest
+        from .identity import store_tokenizer_digest
 
         store_tokenizer_digest(tmp, AutoTokenizer.from_pretrained(tmp, local_files_only=True))
         meta = {"name": spec.name, "package": spec.package, "gguf_file": spec.filename,

@@ -24,11 +24,11 @@ import kvlab
 from kvlab import cachefile as cf
 from kvlab.cachefile import CacheFileWarning, load_cache, read_header, save_cache
 from kvlab.errors import CacheFileError, FingerprintMismatch, KvlabError
-from kvlab.fingerprint import STRICT_FIELDS, fingerprint
+from kvlab.identity import STRICT_FIELDS, fingerprint
 from kvlab.fragments import new_cache
 from kvlab.metrics import next_token_dist
 from kvlab.repro import assigned_merge
-from kvlab.variants import finetune_text
+from kvlab.mismatch import finetune_text
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT = "The quick brown fox jumps over the lazy dog, twice."

@@ -1,8 +1,7 @@
-"""kvlab.fingerprint: every strict field is computed, compared and reported on its own."""
+"""kvlab.fingerprint (kvlab/identity.py): every strict field is computed, compared and reported on its own."""
 from __future__ import annotations
 
 import copy
-import importlib
 import json
 
 import pytest
@@ -10,11 +9,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import kvlab
-from kvlab.fingerprint import GEOMETRY_FIELDS, STRICT_FIELDS, Difference, compare, fingerprint
+import kvlab.identity as fpmod
+from kvlab.identity import GEOMETRY_FIELDS, STRICT_FIELDS, Difference, compare, fingerprint
 from kvlab.models import LoadedModel
-
-# kvlab.fingerprint is the function (the issue's API); the module is reached through import_module.
-fpmod = importlib.import_module("kvlab.fingerprint")
 
 
 @pytest.fixture(scope="module")

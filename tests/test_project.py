@@ -47,6 +47,17 @@ def test_cli_models_and_bad_model():
     assert bad.returncode == 2 and "unknown model 'nope'" in bad.stderr
 
 
+def test_cli_mismatch_table_on_a_tiny_model():
+    run = subprocess.run([sys.executable, "-m", "kvlab.cli", "mismatch", "--model", "tiny-llama", "--steps", "2"],
+                         capture_output=True, text=True, check=True)
+    kinds = {"self", "bf16", "fp16", "int8", "finetune"}
+    rows = {w[0]: w for w in map(str.split, run.stdout.splitlines()) if w and w[0] in kinds}
+    assert set(rows) == kinds
+    assert rows["self"][1:6] == ["0.0e+00"] * 5 and rows["self"][7:] == ["-"]
+    assert all(float(kl) > 0 for kl in rows["finetune"][1:6]) and "weights_sha256" in rows["finetune"][7:]
+    assert "dtype," in rows["bf16"] and "quantization," in rows["int8"]
+
+
 def test_check_table_on_a_tiny_model():
     from kvlab.check import check_rows, format_rows
 

@@ -9,8 +9,8 @@ import torch
 import kvlab
 from kvlab.cachefile import save_cache
 from kvlab.errors import KvlabError, MergeError
-from kvlab.fingerprint import compare, fingerprint, weights_digest
-from kvlab.variants import (DEFAULT_PROBES, VARIANT_KINDS, finetune_text, format_study, mismatch_kl, mismatch_study,
+from kvlab.identity import compare, fingerprint, weights_digest
+from kvlab.mismatch import (DEFAULT_PROBES, VARIANT_KINDS, finetune_text, format_study, mismatch_kl, mismatch_study,
                             variants)
 
 # Tiny fine-tunes: enough to move every weight, fast enough for a test.
@@ -139,7 +139,7 @@ def test_study_table_has_every_variant(llama):
 
 @pytest.mark.real
 def test_smollm2_variants_read_a_foreign_cache(tmp_path, smollm2):
-    # The smollm2 fine-tune runs in the study (kvlab.variants.main), not here: too slow for a test.
+    # The smollm2 fine-tune runs in the study (kvlab mismatch), not here: too slow for a test.
     producer = smollm2
     path = save_cache(tmp_path / "p.kvcache", kvlab.prefill(producer, "Rui mends nets in the shed behind the shop."),
                       producer)

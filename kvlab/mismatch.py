@@ -6,9 +6,7 @@ a dtype cast (``bf16``, ``fp16``), an int8 per-channel quantization round trip
 standing in for a base model and its fine-tune. :func:`mismatch_kl` then measures, per
 probe, how far the reader's next-token distribution moves when it reads the producer's
 cache instead of its own. :func:`mismatch_study` runs it for every variant, and
-``python -c "from kvlab.variants import main; main()" [MODEL]`` prints the table.
-(``kvlab.variants`` itself is the function :func:`variants`: the package exports it under
-the module's name, so reach this module with ``from kvlab.variants import ...``.)
+``kvlab mismatch --model MODEL`` prints the table.
 """
 from __future__ import annotations
 
@@ -23,7 +21,7 @@ import torch
 
 from .cachefile import CacheFileWarning, load_cache, read_header, save_cache
 from .errors import KvlabError, MergeError
-from .fingerprint import Difference, compare, fingerprint
+from .identity import Difference, compare, fingerprint
 from .fragments import Fragment, new_cache, prefill, prefill_ids, set_length, source_ids
 from .metrics import next_token_kl
 from .models import LoadedModel
@@ -282,25 +280,3 @@ def format_study(results: dict[str, MismatchResult]) -> str:
         lines.append(f"{kind:9s} {cells}  {res.flips}/{len(res.rows)}    {fields}")
     lines.append("KL(p_own || p_foreign) in nats of the next token; * marks a top-1 flip.")
     return "\n".join(lines)
-
-
-def main(argv=None) -> None:
-    import argparse
-
-    from .models import DEFAULT_MODEL, load_model
-
-    ap = argparse.ArgumentParser(prog="kvlab-mismatch", description=__doc__.splitlines()[0])
-    ap.add_argument("model", nargs="?", default=DEFAULT_MODEL)
-    ap.add_argument("--steps", type=int, default=FINETUNE_DEFAULTS["steps"], help="fine-tune steps")
-    ap.add_argument("--verbose", action="store_true", help="also print every probe's top-1 tokens")
-    args = ap.parse_args(argv)
-    results = mismatch_study(load_model(args.model), steps=args.steps)
-    print(format_study(results))
-    if args.verbose:
-        for res in results.values():
-            print()
-            print(res.table())
-
-
-if __name__ == "__main__":
-    main()
