@@ -4,9 +4,8 @@ from __future__ import annotations
 import time
 
 from .errors import KvlabError
-from .fragments import prefill
 from .merge import merge
-from .metrics import context_reference, kv_diff, max_diff, next_token_kl, phase_reference
+from .metrics import kv_diff, max_diff, next_token_kl, setup
 from .models import LoadedModel
 from .strategies import strategy_names
 
@@ -32,9 +31,8 @@ def check_rows(model: LoadedModel, texts: list[str] | None = None, probes: list[
     """
     texts = texts or DEFAULT_TEXTS
     probes = probes or DEFAULT_PROBES
-    frags = [prefill(model, t, bos=(i == 0)) for i, t in enumerate(texts)]
-    phase_ref = phase_reference(model, frags)
-    joined = context_reference(model, frags)
+    ref = setup(model, texts)
+    frags, phase_ref, joined = ref.fragments, ref.phase, ref.context
     rows = []
     for name in strategy_names():
         t0 = time.perf_counter()

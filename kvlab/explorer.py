@@ -16,9 +16,8 @@ import numpy as np
 
 from .check import DEFAULT_PROBES, DEFAULT_TEXTS
 from .errors import KvlabError
-from .fragments import prefill
 from .merge import landing_positions, merge
-from .metrics import context_reference, kv_diff, next_token_kl, phase_error, phase_reference
+from .metrics import kv_diff, next_token_kl, phase_error, setup
 from .models import DEFAULT_MODEL, LoadedModel, load_model
 from .plots import band_slices, kv_heatmap
 from .strategies import STRATEGIES, strategy_names
@@ -93,10 +92,9 @@ class MergeExplorer:
         key = (m.name, tuple(t.value for t in self.texts))
         if key != self._key:
             self._key = key
-            self.frags = [prefill(m, t.value, bos=(i == 0)) for i, t in enumerate(self.texts)]
+            ref = setup(m, [t.value for t in self.texts])
+            self.frags, self.phase_ref, self.joined = ref.fragments, ref.phase, ref.context
             self.landings = landing_positions(self.frags)
-            self.phase_ref = phase_reference(m, self.frags)
-            self.joined = context_reference(m, self.frags)
             n_layers = len(self.phase_ref.layers)
             self.layer.max = n_layers - 1
             self.layer.value = min(self.layer.value, n_layers - 1)

@@ -42,6 +42,28 @@ def context_reference(model: LoadedModel, fragments: list[Fragment]) -> DynamicC
 
 
 @dataclass
+class Setup:
+    """Fragments of some texts and the two references every comparison in kvlab uses.
+
+    ``fragments``: one per text, each prefilled alone from position 0 (the first with BOS);
+    ``phase``: :func:`phase_reference` (right phase, no cross-fragment context);
+    ``context``: :func:`context_reference` (one prefill of everything).
+    """
+
+    fragments: list[Fragment]
+    phase: DynamicCache
+    context: DynamicCache
+
+
+def setup(model: LoadedModel, texts: list[str]) -> Setup:
+    """Prefill each text as a fragment and build both references (see :class:`Setup`)."""
+    from .fragments import prefill
+
+    frags = [prefill(model, t, bos=(i == 0)) for i, t in enumerate(texts)]
+    return Setup(frags, phase_reference(model, frags), context_reference(model, frags))
+
+
+@dataclass
 class LayerDiff:
     """Element-wise difference of one layer, reduced over ``head_dim``.
 
