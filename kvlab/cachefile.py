@@ -255,7 +255,7 @@ def _write_file(path: Path, tensors: list[tuple[str, torch.Tensor]], header: dic
             digests = {}
             for name, a in zip(names, arrays):
                 if fill_digests:
-                    # Hashed just before the write, while the tensor is still in the CPU's caches.
+                    # Hashed right before its write, so the write reads it from the CPU's caches.
                     digests[name] = xxhash.xxh3_128_hexdigest(a)
                 f.write(a)
             if fill_digests:

@@ -136,36 +136,17 @@ def _sha256_hex(buf) -> str:
 def sha256_many(buffers: list) -> list[str]:
     """sha256 hex digests of byte buffers, in order.
 
-    hashlib releases the GIL on large buffers, so big inputs are hashed on a small thread
-    pool, largest first, while the caller's thread is free to copy or write.
-    """
-    return [f.result() for f in submit_sha256(buffers)]
-
-
-class _Done:
-    def __init__(self, value):
-        self._value = value
-
-    def result(self):
-        return self._value
-
-
-def submit_sha256(buffers: list, parallel: bool | None = None) -> list:
-    """Start hashing ``buffers``; returns one future-like object (``.result()``) per buffer.
-
-    ``parallel=None`` uses the pool when the buffers are large enough to repay it; a
-    caller feeding many small buffers of one large job passes ``True``.
+    hashlib releases the GIL on large buffers, so when there is enough to hash the
+    buffers go to a small thread pool, largest first (the longest job starts first).
     """
     sizes = [memoryview(b).nbytes for b in buffers]
-    if parallel is None:
-        parallel = sum(sizes) >= _PARALLEL_MIN_BYTES
-    pool = _pool() if parallel else None
+    pool = _pool() if sum(sizes) >= _PARALLEL_MIN_BYTES else None
     if pool is None:
-        return [_Done(_sha256_hex(b)) for b in buffers]
+        return [_sha256_hex(b) for b in buffers]
     futures: list = [None] * len(buffers)
     for i in sorted(range(len(buffers)), key=lambda i: -sizes[i]):
         futures[i] = pool.submit(_sha256_hex, buffers[i])
-    return futures
+    return [f.result() for f in futures]
 
 
 def tensor_bytes(t: torch.Tensor):
