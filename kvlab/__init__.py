@@ -21,10 +21,10 @@ __all__ = [
 # Producer identity of cache files (issue 3).
 from .errors import CacheFileError, FingerprintMismatch
 from .identity import STRICT_FIELDS, Difference, fingerprint
-from .cachefile import CacheFileWarning, load_cache, save_cache
+from .cachefile import CacheFileWarning, load_cache, read_header, save_cache, verify_file
 from .mismatch import VARIANT_KINDS, MismatchResult, mismatch_kl, variants
 
 __all__ += [
     "CacheFileError", "FingerprintMismatch", "STRICT_FIELDS", "Difference", "fingerprint",
-    "CacheFileWarning", "load_cache", "save_cache", "VARIANT_KINDS", "MismatchResult", "mismatch_kl", "variants",
+    "CacheFileWarning", "load_cache", "read_header", "save_cache", "verify_file", "VARIANT_KINDS", "MismatchResult", "mismatch_kl", "variants",
 ]

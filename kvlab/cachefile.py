@@ -749,9 +749,7 @@ def _build(buf: torch.Tensor, box: _Container, layout: _Layout, model: LoadedMod
             for what, held in (("keys", layer.keys), ("values", layer.values)):
                 check(f"layers.{i}.{what}", held)
     if bad:
-        raise CacheFileError(f"{path}: the data of {', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''} does not "
-                             f"match its {TENSOR_DIGEST} digest in the header: the file is corrupt or was altered "
-                             "after saving")
+        raise _digest_error(path, bad)
     ids = torch.tensor(layout.token_ids, dtype=torch.long) if layout.token_ids is not None else None
     return Fragment(cache=cache, token_ids=ids, text=layout.text, start=layout.start, model_name=model.name,
                     config=model.config)
@@ -859,3 +857,36 @@ def read_header(path) -> dict | None:
     if h is not None:
         _layout(h, box, path)
     return h
+
+
+def verify_file(path) -> dict | None:
+    """Check a cache file's framing, header and every tensor digest, with no model at hand.
+
+    For auditing stored caches: the same checks as :func:`load_cache` except the
+    fingerprint comparison (which needs the reader). Returns the header (``None`` for a
+    plain safetensors file, which carries no digests to check).
+
+    Raises
+    ------
+    CacheFileError
+        Anything :func:`load_cache` would call corrupt, truncated or tampered, naming the
+        tensors whose data does not match the header.
+    """
+    path = Path(os.fspath(path))
+    buf = _read_file(path)
+    box = _parse_container(buf, path)
+    h = _kvlab_header(box, path)
+    if h is None:
+        return None
+    layout = _layout(h, box, path)
+    data = buf[box.data_start :]
+    bad = [e.name for e in box.entries
+           if xxhash.xxh3_128_hexdigest(data[e.begin : e.end].numpy()) != layout.digests[e.name]]
+    if bad:
+        raise _digest_error(path, bad)
+    return h
+
+
+def _digest_error(path: Path, bad: list[str]) -> CacheFileError:
+    return CacheFileError(f"{path}: the data of {', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''} does not match "
+                          f"its {TENSOR_DIGEST} digest in the header: the file is corrupt or was altered after saving")

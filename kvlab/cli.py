@@ -49,6 +49,44 @@ def _mismatch(args) -> int:
     return 0
 
 
+def _inspect(args) -> int:
+    from pathlib import Path
+
+    from .cachefile import load_cache, verify_file
+    from .identity import show
+    from .models import load_model
+
+    path = Path(args.file)
+    h = verify_file(path)
+    n = path.stat().st_size
+    size = f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
+    if h is None:
+        print(f"{path} ({size}): a safetensors file with no kvlab header: no producer fingerprint, no "
+              "digests. load_cache refuses it unless allow_unverified=True.")
+        return 1
+    p = h["producer"] or {}
+    layers = h["layers"]
+    text = h["text"]
+    print(f"{path} ({size}): kvlab cache, format {h['format_version']}")
+    if p:
+        print(f"  made by    {h['model_name']}: {p.get('source')}, {p.get('architecture')}, {p.get('dtype')}, "
+              f"quantization {p.get('quantization')}")
+        print(f"  weights    {p.get('weights_sha256')}")
+    else:
+        print(f"  made by    {h['model_name']} (no producer fingerprint: load_cache needs allow_unverified=True)")
+    print(f"  tokens     {h['length']} at positions {h['start']}..{h['start'] + h['length'] - 1}"
+          + ("" if h["token_ids"] is not None else " (token ids not stored)"))
+    print(f"  layers     {len(layers)}: {show([L['type'] for L in layers])}; layer 0 keys {layers[0]['keys']}, {h['dtype']}")
+    if text is not None:
+        print(f"  text       {text[:70]!r}{' ...' if len(text) > 70 else ''}")
+    print(f"  tensors    all {2 * len(layers)} match their {h['tensor_digest']} digests")
+    if args.model:
+        model = load_model(args.model)
+        load_cache(path, model)  # a mismatch raises FingerprintMismatch, printed by main with every field
+        print(f"  loads into {model.name}: yes, every strict fingerprint field matches")
+    return 0
+
+
 def _report(args) -> int:
     from pathlib import Path
 
@@ -71,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.set_defaults(func=_check)
+    p = sub.add_parser("inspect", help="who made a cache file, and is it intact (optionally: does it fit a model)")
+    p.add_argument("file")
+    p.add_argument("--model", default=None, help="also load it into this model, refusing any fingerprint mismatch")
+    p.set_defaults(func=_inspect)
     from .mismatch import FINETUNE_DEFAULTS
 
     p = sub.add_parser("mismatch", help="KL and top-1 flips when each same-shape variant reads the model's cache")

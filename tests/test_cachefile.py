@@ -359,6 +359,16 @@ def test_wrong_format_version(tmp_path, llama, frag):
             load_cache(path, llama)
 
 
+def test_verify_file_checks_every_tensor_without_a_model(saved, tmp_path):
+    assert cf.verify_file(saved) == read_header(saved)
+    data = bytearray(saved.read_bytes())
+    end = header_end(bytes(data))
+    a, b = json.loads(data[8:end])["layers.1.values"]["data_offsets"]
+    data[end + (a + b) // 2] ^= 0x40
+    with pytest.raises(CacheFileError, match=r"data of layers\.1\.values does not match its xxh3-128 digest"):
+        cf.verify_file(corrupt(tmp_path / "v.kvcache", bytes(data)))
+
+
 def test_unknown_tensor_digest_algorithm(tmp_path, llama, frag):
     path = write_with(tmp_path / "a.kvcache", frag, llama, lambda h: h.update(tensor_digest="sha256"))
     with pytest.raises(CacheFileError, match="tensor_digest 'sha256' is not supported; this kvlab reads 'xxh3-128'"):

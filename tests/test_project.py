@@ -7,6 +7,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+import torch
+
 import kvlab
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,6 +58,26 @@ def test_cli_mismatch_table_on_a_tiny_model():
     assert rows["self"][1:6] == ["0.0e+00"] * 5 and rows["self"][7:] == ["-"]
     assert all(float(kl) > 0 for kl in rows["finetune"][1:6]) and "weights_sha256" in rows["finetune"][7:]
     assert "dtype," in rows["bf16"] and "quantization," in rows["int8"]
+
+
+def test_cli_inspect_reports_producer_integrity_and_fit(tmp_path):
+    from safetensors.torch import save_file
+
+    m = kvlab.load_model("tiny-gemma3")
+    path = kvlab.save_cache(tmp_path / "c.kvcache", kvlab.prefill(m, "a cache to inspect"), m)
+    cli = [sys.executable, "-m", "kvlab.cli", "inspect", str(path)]
+    ok = subprocess.run(cli + ["--model", "tiny-gemma3"], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    assert "made by    tiny-gemma3: tiny:tiny-gemma3, Gemma3ForCausalLM, float32" in ok.stdout
+    assert "[3x sliding_attention, full_attention]" in ok.stdout
+    assert "all 8 match their xxh3-128 digests" in ok.stdout and "loads into tiny-gemma3: yes" in ok.stdout
+    foreign = subprocess.run(cli + ["--model", "tiny-llama"], capture_output=True, text=True)
+    assert foreign.returncode == 2
+    assert "FingerprintMismatch" in foreign.stderr and "architecture: file Gemma3ForCausalLM, model LlamaForCausalLM" in foreign.stderr
+    plain = tmp_path / "plain.safetensors"
+    save_file({"x": torch.zeros(2)}, str(plain))
+    bare = subprocess.run(cli[:-1] + [str(plain)], capture_output=True, text=True)
+    assert bare.returncode == 1 and "no kvlab header" in bare.stdout
 
 
 def test_check_table_on_a_tiny_model():
