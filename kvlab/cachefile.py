@@ -47,7 +47,7 @@ import xxhash
 from transformers import DynamicCache
 
 from .errors import CacheFileError, FingerprintMismatch
-from .identity import Difference, compare, fingerprint, tensor_bytes
+from .identity import _HEX, Difference, compare, fingerprint, tensor_bytes
 from .fragments import Fragment, new_cache, set_length
 from .models import LoadedModel
 
@@ -56,7 +56,6 @@ FORMAT_VERSION = 2
 #: The digest of each tensor's bytes (see the module docstring for why not sha256).
 TENSOR_DIGEST = "xxh3-128"
 _DIGEST_HEX = 32
-_HEX = frozenset("0123456789abcdef")
 #: Headers longer than this are refused before being parsed (safetensors itself allows 100 MB).
 MAX_HEADER_BYTES = 64 << 20
 
@@ -361,6 +360,14 @@ def _read_file(path: Path) -> torch.Tensor:
         raise CacheFileError(f"{path}: cannot read: {getattr(e, 'strerror', None) or e}") from None
     finally:
         os.close(fd)  # the mapping keeps its own reference to the file
+
+
+def _open(path) -> tuple[Path, torch.Tensor, _Container, dict | None]:
+    """Map a file and check its framing and kvlab header (``None`` when it has none)."""
+    path = Path(os.fspath(path))
+    buf = _read_file(path)
+    box = _parse_container(buf, path)
+    return path, buf, box, _kvlab_header(box, path)
 
 
 def _refuse_foreign(buf: torch.Tensor, path: Path) -> None:
@@ -689,19 +696,15 @@ def _fit(layout: _Layout, model: LoadedModel, live: dict) -> list[str]:
             want = [s[0], geo["kv_heads"], s[2], geo["head_dim"]]
             if s != want:
                 out.append(f"layer {i} {what} are {s} in the file, {model.name} needs {want}")
-    limit = getattr(_text_config(model.config), "max_position_embeddings", None)
+    text_config = model.config.get_text_config()
+    limit = getattr(text_config, "max_position_embeddings", None)
     if limit is not None and layout.start + layout.length > limit:
         out.append(f"the cache reaches position {layout.start + layout.length - 1}, past {model.name}'s "
                    f"max_position_embeddings={limit}")
-    vocab = getattr(_text_config(model.config), "vocab_size", None)
+    vocab = getattr(text_config, "vocab_size", None)
     if layout.token_ids and vocab is not None and max(layout.token_ids) >= vocab:
         out.append(f"token id {max(layout.token_ids)} is outside {model.name}'s vocabulary of {vocab}")
     return out
-
-
-def _text_config(config):
-    get = getattr(config, "get_text_config", None)
-    return get() if callable(get) else config
 
 
 def _build(buf: torch.Tensor, box: _Container, layout: _Layout, model: LoadedModel, path: Path) -> Fragment:
@@ -794,14 +797,17 @@ def load_cache(path, model: LoadedModel, *, strict: bool = True, allow_unverifie
     """
     if not isinstance(model, LoadedModel):
         raise CacheFileError(f"load_cache needs the reading kvlab.LoadedModel, got {type(model).__name__}")
-    path = Path(os.fspath(path))
-    buf = _read_file(path)
-    box = _parse_container(buf, path)
-    h = _kvlab_header(box, path)
+    return _load(path, model, strict, allow_unverified)[0]
+
+
+def _load(path, model: LoadedModel, strict: bool, allow_unverified: bool) -> tuple[Fragment, list[Difference] | None]:
+    """:func:`load_cache`, also returning the fingerprint differences (``None``: no producer recorded)."""
+    path, buf, box, h = _open(path)
     live = fingerprint(model)
     notes: list[str] = []
     diffs: list[Difference] = []
-    if h is None or h["producer"] is None:
+    unknown = h is None or h["producer"] is None
+    if unknown:
         if not allow_unverified:
             raise FingerprintMismatch(
                 f"{path} carries no producer fingerprint, so nothing says which weights, tokenizer and dtype made it; "
@@ -830,8 +836,8 @@ def load_cache(path, model: LoadedModel, *, strict: bool = True, allow_unverifie
     if notes:
         warnings.warn(f"{path} loaded into {model.name} unverified:\n  " + "\n  ".join(notes)
                       + "\nIts keys and values are not what this model computes for the same tokens.",
-                      CacheFileWarning, stacklevel=2)
-    return fragment
+                      CacheFileWarning, stacklevel=3)
+    return fragment, None if unknown else diffs
 
 
 def _mismatch_message(path: Path, model: LoadedModel, diffs: list[Difference], h: dict) -> str:
@@ -850,10 +856,7 @@ def read_header(path) -> dict | None:
     :class:`CacheFileError` as :func:`load_cache` does for a bad file; tensor digests are
     not checked (that needs the data, see :func:`load_cache`).
     """
-    path = Path(os.fspath(path))
-    buf = _read_file(path)
-    box = _parse_container(buf, path)
-    h = _kvlab_header(box, path)
+    path, _, box, h = _open(path)
     if h is not None:
         _layout(h, box, path)
     return h
@@ -872,10 +875,7 @@ def verify_file(path) -> dict | None:
         Anything :func:`load_cache` would call corrupt, truncated or tampered, naming the
         tensors whose data does not match the header.
     """
-    path = Path(os.fspath(path))
-    buf = _read_file(path)
-    box = _parse_container(buf, path)
-    h = _kvlab_header(box, path)
+    path, buf, box, h = _open(path)
     if h is None:
         return None
     layout = _layout(h, box, path)

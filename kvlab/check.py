@@ -5,7 +5,7 @@ import time
 
 from .errors import KvlabError
 from .merge import merge
-from .metrics import kv_diff, max_diff, next_token_kl, setup
+from .metrics import kv_diff, max_diff, next_token_dist, next_token_kl, setup
 from .models import LoadedModel
 from .strategies import strategy_names
 
@@ -33,6 +33,7 @@ def check_rows(model: LoadedModel, texts: list[str] | None = None, probes: list[
     probes = probes or DEFAULT_PROBES
     ref = setup(model, texts)
     frags, phase_ref, joined = ref.fragments, ref.phase, ref.context
+    joined_dists = [next_token_dist(model, joined, p) for p in probes]  # read once, compared with every strategy
     rows = []
     for name in strategy_names():
         t0 = time.perf_counter()
@@ -43,7 +44,7 @@ def check_rows(model: LoadedModel, texts: list[str] | None = None, probes: list[
             continue
         ms = (time.perf_counter() - t0) * 1e3
         d = kv_diff(cache, phase_ref)
-        kl = next_token_kl(model, cache, joined, probes)
+        kl = next_token_kl(model, cache, joined, probes, joined_dists)
         rows.append({
             "strategy": name,
             "max_k_phase": max_diff(d, "k"),

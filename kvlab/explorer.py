@@ -12,14 +12,13 @@ import io
 
 import ipywidgets as W
 import matplotlib.pyplot as plt
-import numpy as np
 
 from .check import DEFAULT_PROBES, DEFAULT_TEXTS
 from .errors import KvlabError
 from .merge import landing_positions, merge
-from .metrics import kv_diff, next_token_kl, phase_error, setup
+from .metrics import kv_diff, next_token_dist, next_token_kl, phase_error, setup
 from .models import DEFAULT_MODEL, LoadedModel, load_model
-from .plots import band_slices, kv_heatmap
+from .plots import kv_heatmap, phase_vs_position_head
 from .strategies import STRATEGIES, strategy_names
 
 
@@ -49,10 +48,14 @@ class MergeExplorer:
         choices = list(dict.fromkeys([model] + list(models or [DEFAULT_MODEL, "tiny-llama", "tiny-gemma3"])))
         self.strategy = W.Dropdown(options=strategy_names(), value="naive", description="strategy")
         self.model = W.Dropdown(options=choices, value=model, description="model")
-        self.texts = [W.Textarea(value=t, description=f"fragment {i}", layout=W.Layout(width="95%")) for i, t in enumerate(texts)]
-        self.layer = W.IntSlider(min=0, max=1, value=0, description="layer")
-        self.head = W.IntSlider(min=0, max=0, value=0, description="KV head")
-        self.ratio = W.FloatSlider(min=0.0, max=1.0, step=0.05, value=0.15, description="recompute r")
+        # continuous_update=False: a text change re-prefills every fragment and a ratio change
+        # runs the model, so they act when typing stops or the slider is let go, not per key.
+        self.texts = [W.Textarea(value=t, description=f"fragment {i}", layout=W.Layout(width="95%"),
+                                 continuous_update=False) for i, t in enumerate(texts)]
+        self.layer = W.IntSlider(min=0, max=1, value=0, description="layer", continuous_update=False)
+        self.head = W.IntSlider(min=0, max=0, value=0, description="KV head", continuous_update=False)
+        self.ratio = W.FloatSlider(min=0.0, max=1.0, step=0.05, value=0.15, description="recompute r",
+                                   continuous_update=False)
         self.readout = W.HTML()
         self.table = W.HTML()
         # Figures are shown as PNG bytes in Image widgets: plain widget state that any front end
@@ -92,14 +95,15 @@ class MergeExplorer:
         key = (m.name, tuple(t.value for t in self.texts))
         if key != self._key:
             self._key = key
+            # No render of the old model's merge while the sliders' ranges change below.
+            self.merged = None
             ref = setup(m, [t.value for t in self.texts])
             self.frags, self.phase_ref, self.joined = ref.fragments, ref.phase, ref.context
+            self.joined_dists = [next_token_dist(m, self.joined, p) for p in self.probes]
             self.landings = landing_positions(self.frags)
-            n_layers = len(self.phase_ref.layers)
-            self.layer.max = n_layers - 1
-            self.layer.value = min(self.layer.value, n_layers - 1)
+            # Lowering max clamps value (ipywidgets validates it).
+            self.layer.max = len(self.phase_ref.layers) - 1
             self.head.max = self.phase_ref.layers[0].keys.shape[1] - 1
-            self.head.value = min(self.head.value, self.head.max)
         self._merge()
 
     def _merge(self) -> None:
@@ -115,7 +119,7 @@ class MergeExplorer:
             return
         self.phases = phase_error(self.merged, self.phase_ref, m)
         self.diffs = kv_diff(self.merged, self.phase_ref)
-        self.kl = next_token_kl(m, self.merged, self.joined, self.probes)
+        self.kl = next_token_kl(m, self.merged, self.joined, self.probes, self.joined_dists)
         self.state["max_phase_error"] = max(float(p.angle.max()) for p in self.phases)
         self.state["kl"] = [r["kl"] for r in self.kl]
         self.state["top1_agree"] = sum(r["agree"] for r in self.kl)
@@ -157,13 +161,16 @@ class MergeExplorer:
         )
         self.table.value = ("<table><tr><th>probe</th><th>KL (nats)</th><th>top-1 joined</th><th>top-1 merged</th>"
                             f"<th>agree</th></tr>{rows}</table>")
-        self.figures["phase"] = self._phase_figure(p, hi)
+        if not self._draw:
+            return  # hold_drawing() renders once, figures included, when it ends
+        title = (f"{self.state['model']} / {self.state['strategy']}: phase error, layer {li} ({p.layer_type}), "
+                 f"head {hi}")
+        self.figures["phase"] = phase_vs_position_head(p, hi, title, self.landings)
         self.figures["heatmap"] = kv_heatmap(self.diffs, self.state["model"], self.state["strategy"], "phase ref",
                                              self.landings, layer=li)
         for fig in self.figures.values():
             plt.close(fig)  # off pyplot's list, so the inline backend does not print them below the cell
-        if self._draw:
-            self._draw_figures()
+        self._draw_figures()
 
     def _draw_figures(self) -> None:
         for name, fig in self.figures.items():
@@ -181,20 +188,6 @@ class MergeExplorer:
         finally:
             self._draw = True
             self._render()  # show what the state now says
-
-    def _phase_figure(self, p, head: int):
-        fig, ax = plt.subplots(figsize=(9, 3.4), constrained_layout=True)
-        for band, sl in band_slices(p.angle.shape[-1]).items():
-            err = p.angle[head][:, sl].double().mean(-1).numpy()
-            ax.plot(p.positions.numpy(), np.maximum(err, 1e-9), label=f"{band}-frequency pairs")
-        for x in self.landings[1:]:
-            ax.axvline(x - 0.5, color="0.5", lw=0.8, ls=":")
-        ax.set_yscale("log")
-        ax.set_xlabel("position in merged cache (tokens)")
-        ax.set_ylabel("mean phase error (rad)")
-        ax.set_title(f"{self.state['model']} / {self.state['strategy']}: phase error, layer {self.layer.value} ({p.layer_type}), head {head}")
-        ax.legend()
-        return fig
 
     def _ipython_display_(self):
         from IPython.display import display

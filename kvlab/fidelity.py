@@ -15,9 +15,9 @@ import torch
 from transformers import DynamicCache
 
 from .errors import MergeError
-from .fragments import Fragment, clone_cache
+from .fragments import Fragment
 from .merge import merge, resolve
-from .metrics import context_reference, next_token_kl
+from .metrics import context_reference, kl_row, read_probe
 from .models import LoadedModel
 from .strategies import Strategy
 
@@ -70,25 +70,40 @@ class Fidelity:
         return out
 
 
-@torch.inference_mode()
 def greedy_continuation(model: LoadedModel, cache: DynamicCache, probe: str, n: int) -> list[int]:
     """``n`` greedy token ids after ``probe`` read behind ``cache`` (which is cloned, not grown)."""
-    ids = torch.tensor(model.tokenizer(probe, add_special_tokens=False)["input_ids"], dtype=torch.long, device=model.device)
-    work = clone_cache(cache, model.config)
-    at = work.get_seq_length()
-    out = []
-    for _ in range(n):
-        pos = torch.arange(at, at + ids.numel(), device=model.device)[None]
-        logits = model.model(input_ids=ids[None], position_ids=pos, cache=work, use_cache=True).logits[0, -1]
-        at += ids.numel()
-        token = int(logits.argmax())
-        out.append(token)
-        ids = torch.tensor([token], device=model.device)
-    return out
+    return read_probe(model, cache, probe, n)[1]
+
+
+class FidelityReference:
+    """The joined prefill that :func:`fidelity` compares against, read once per probe.
+
+    Every :func:`fidelity` call reads each probe behind the reference (the next-token
+    distribution and a greedy continuation). Passing one ``FidelityReference`` to many
+    calls, as a sweep over strategies and ratios does, reads each probe once.
+
+    Parameters
+    ----------
+    model : LoadedModel
+    cache : DynamicCache
+        The joined prefill, keys/values ``[1, kv_heads, kept, head_dim]``; never modified.
+    """
+
+    def __init__(self, model: LoadedModel, cache: DynamicCache):
+        self.model, self.cache = model, cache
+        self._reads: dict = {}
+
+    def read(self, probe: str, greedy_tokens: int) -> tuple[torch.Tensor, list[int]]:
+        """:func:`kvlab.metrics.read_probe` of the reference, remembered."""
+        key = (probe, greedy_tokens)
+        if key not in self._reads:
+            self._reads[key] = read_probe(self.model, self.cache, probe, greedy_tokens)
+        return self._reads[key]
 
 
 def fidelity(model: LoadedModel, fragments: list[Fragment], merged: DynamicCache | str | Strategy = "rerotate", *,
-             probes: list[str], greedy_tokens: int = 16, reference: DynamicCache | None = None, **options) -> Fidelity:
+             probes: list[str], greedy_tokens: int = 16, reference: DynamicCache | FidelityReference | None = None,
+             **options) -> Fidelity:
     """Measure a merged cache, or a strategy's merge, against the joined prefill.
 
     Parameters
@@ -103,8 +118,9 @@ def fidelity(model: LoadedModel, fragments: list[Fragment], merged: DynamicCache
         Texts read behind each cache; their next token and continuation are compared.
     greedy_tokens : int
         Length of each greedy continuation (``0`` skips them).
-    reference : DynamicCache, optional
-        The joined prefill, when already at hand (it is never modified).
+    reference : DynamicCache or FidelityReference, optional
+        The joined prefill, when already at hand (it is never modified); a
+        :class:`FidelityReference` also keeps its probe readings across calls.
     **options
         Passed to the strategy (``ratio=``, ``policy=`` ...); not allowed with a cache.
 
@@ -129,20 +145,23 @@ def fidelity(model: LoadedModel, fragments: list[Fragment], merged: DynamicCache
         name = strat.name
         # Every field, defaults included, so rows of one strategy line up in a table.
         opts = {f.name: getattr(strat, f.name) for f in dataclasses.fields(strat)} if dataclasses.is_dataclass(strat) else {}
-    ref = reference if reference is not None else context_reference(model, fragments)
-    if cache.get_seq_length() != ref.get_seq_length():
-        raise MergeError(f"the merged cache holds {cache.get_seq_length()} tokens, the joined prefill {ref.get_seq_length()}")
-    rows = next_token_kl(model, cache, ref, probes)
+    if not isinstance(reference, FidelityReference):
+        reference = FidelityReference(model, reference if reference is not None else context_reference(model, fragments))
+    if cache.get_seq_length() != reference.cache.get_seq_length():
+        raise MergeError(f"the merged cache holds {cache.get_seq_length()} tokens, "
+                         f"the joined prefill {reference.cache.get_seq_length()}")
+    rows = []
     agree = prefix = 0.0
-    for row in rows:
-        if greedy_tokens == 0:
-            continue
-        want = greedy_continuation(model, ref, row["probe"], greedy_tokens)
-        got = greedy_continuation(model, cache, row["probe"], greedy_tokens)
-        same = [a == b for a, b in zip(want, got)]
-        agree += sum(same) / greedy_tokens
-        prefix += (same.index(False) if False in same else greedy_tokens) / greedy_tokens
-        row["greedy_ref"], row["greedy"] = model.tokenizer.decode(want), model.tokenizer.decode(got)
+    for probe in probes:
+        lp, want = reference.read(probe, greedy_tokens)
+        lq, got = read_probe(model, cache, probe, greedy_tokens)
+        row = kl_row(model, probe, lp, lq)
+        rows.append(row)
+        if greedy_tokens:
+            same = [a == b for a, b in zip(want, got)]
+            agree += sum(same) / greedy_tokens
+            prefix += (same.index(False) if False in same else greedy_tokens) / greedy_tokens
+            row["greedy_ref"], row["greedy"] = model.tokenizer.decode(want), model.tokenizer.decode(got)
     n = len(rows)
     kls = [r["kl"] for r in rows]
     return Fidelity(

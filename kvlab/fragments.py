@@ -82,11 +82,14 @@ def new_cache(config) -> DynamicCache:
     return DynamicCache(config=config)
 
 
-def clone_cache(cache: DynamicCache, config) -> DynamicCache:
-    """A deep copy, built through the cache API (``update``), never by assigning ``.keys``."""
+def clone_cache(cache: DynamicCache, config, dtype: torch.dtype | None = None, device=None) -> DynamicCache:
+    """A deep copy, built through the cache API (``update``), never by assigning ``.keys``.
+
+    ``dtype``/``device``: cast the copy (keys and values ``[batch, kv_heads, kept, head_dim]``).
+    """
     out = new_cache(config)
     for i, layer in enumerate(cache.layers):
-        out.update(layer.keys.clone(), layer.values.clone(), i)
+        out.update(layer.keys.to(device, dtype, copy=True), layer.values.to(device, dtype, copy=True), i)
         set_length(out.layers[i], layer.get_seq_length())
     return out
 

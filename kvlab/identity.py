@@ -60,7 +60,6 @@ Pass ``recompute=True`` to hash everything.
 """
 from __future__ import annotations
 
-import copy
 import functools
 import hashlib
 import json
@@ -221,11 +220,6 @@ def tokenizer_digest(tokenizer) -> str:
     return h.hexdigest()
 
 
-def _text_config(config):
-    get = getattr(config, "get_text_config", None)
-    return get() if callable(get) else config
-
-
 _GEOMETRY_MEMO: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[str, dict]]" = weakref.WeakKeyDictionary()
 
 
@@ -242,22 +236,10 @@ def cache_geometry(model) -> dict:
         rotary_dim, attention scaling and the config's rope parameters (``None`` for a
         model without rotary embeddings).
     """
-    # Geometry follows from the config (the rotary modules are built from it); a load
-    # fingerprints its reader every time, so it is remembered per module and config digest.
-    key = config_digest(model.config)
-    memo = _GEOMETRY_MEMO.get(model.model)
-    if memo is not None and memo[0] == key:
-        return copy.deepcopy(memo[1])
-    geometry = _cache_geometry(model)
-    _GEOMETRY_MEMO[model.model] = (key, copy.deepcopy(geometry))
-    return geometry
-
-
-def _cache_geometry(model) -> dict:
     from .fragments import new_cache
     from .rope import layer_ropes
 
-    config = _text_config(model.config)
+    config = model.config.get_text_config()
     layers = new_cache(model.config).layers
     types = ["sliding_attention" if layer.is_sliding else "full_attention" for layer in layers]
     windows = sorted({int(layer.sliding_window) for layer in layers if layer.is_sliding})
@@ -287,6 +269,16 @@ def _cache_geometry(model) -> dict:
         "sliding_window": (windows[0] if len(windows) == 1 else windows) if windows else None,
         "rope": rope,
     }
+
+
+def _geometry_cached(model, config_sha: str) -> dict:
+    # Geometry follows from the config (the rotary modules are built from it); a load
+    # fingerprints its reader every time, so it is remembered per module and config digest.
+    # The memo is shared: callers copy it (fingerprint() round-trips through JSON).
+    memo = _GEOMETRY_MEMO.get(model.model)
+    if memo is None or memo[0] != config_sha:
+        memo = _GEOMETRY_MEMO[model.model] = (config_sha, cache_geometry(model))
+    return memo[1]
 
 
 def weights_digest(module: torch.nn.Module) -> str:
@@ -340,13 +332,13 @@ _TOKENIZER_MEMO: "weakref.WeakKeyDictionary[object, tuple[str, str]]" = weakref.
 _WEIGHTS_MEMO: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, str]]" = weakref.WeakKeyDictionary()
 
 
-def _folder_cache_path(model) -> Path | None:
-    """The conversion-cache file of a model loaded unchanged from kvlab's cache folder."""
+def _model_folder(model) -> Path | None:
+    """The conversion-cache folder of a model loaded unchanged from it, else None."""
     source = model.source or {}
     folder = source.get("folder")
     if not folder or source.get("variant") or source.get("derived"):
         return None
-    return Path(folder) / f"fingerprint-{_dtype_name(model.dtype)}.json"
+    return Path(folder)
 
 
 def _read_folder_cache(path: Path | None) -> dict:
@@ -388,11 +380,6 @@ def _tokenizer_files_stat(folder: Path) -> dict:
     return out
 
 
-def _tokenizer_cache_path(model) -> Path | None:
-    folder = _folder_cache_path(model)
-    return None if folder is None else folder.with_name("fingerprint-tokenizer.json")
-
-
 def store_tokenizer_digest(folder, tokenizer) -> str:
     """Hash ``tokenizer`` (loaded from ``folder``) and keep the digest in that folder.
 
@@ -412,15 +399,16 @@ def _tokenizer_digest_cached(model, recompute: bool) -> str:
     memo = _TOKENIZER_MEMO.get(tok)
     if memo is not None and memo[0] == sig and not recompute:
         return memo[1]
-    path = _tokenizer_cache_path(model)
-    entry = _read_folder_cache(path).get("tokenizer", {})
-    if (not recompute and entry.get("signature") == sig and _is_hex64(entry.get("sha256"))
-            and entry.get("files") == _tokenizer_files_stat(path.parent)):
-        digest = entry["sha256"]
-    elif path is not None:
-        digest = store_tokenizer_digest(path.parent, tok)
-    else:
+    folder = _model_folder(model)
+    if folder is None:
         digest = tokenizer_digest(tok)
+    else:
+        entry = _read_folder_cache(folder / "fingerprint-tokenizer.json").get("tokenizer", {})
+        if (not recompute and entry.get("signature") == sig and _is_hex64(entry.get("sha256"))
+                and entry.get("files") == _tokenizer_files_stat(folder)):
+            digest = entry["sha256"]
+        else:
+            digest = store_tokenizer_digest(folder, tok)
     _TOKENIZER_MEMO[tok] = (sig, digest)
     return digest
 
@@ -432,7 +420,8 @@ def _weights_digest_cached(model, recompute: bool) -> str:
     memo = _WEIGHTS_MEMO.get(module)
     if memo is not None and memo[0] == sig and not recompute:
         return memo[1]
-    path = _folder_cache_path(model)
+    folder = _model_folder(model)
+    path = None if folder is None else folder / f"fingerprint-{_dtype_name(model.dtype)}.json"
     # from_pretrained leaves every version counter at 0; any in-place edit since loading
     # bumps one, and then the folder's digest (of the weights as converted) cannot be trusted.
     pristine = all(t._version == 0 for t in state.values())
@@ -504,16 +493,17 @@ def fingerprint(model, *, weights: bool = True, recompute: bool = False) -> dict
         (versions and names, never compared). A fresh dict on every call.
     """
     source, source_sha = _source(model)
+    config_sha = config_digest(model.config)
     fp = {
         "fingerprint_version": FINGERPRINT_VERSION,
         "source": source,
         "source_sha256": source_sha,
         "architecture": type(model.model).__name__,
-        "config_sha256": config_digest(model.config),
+        "config_sha256": config_sha,
         "tokenizer_sha256": _tokenizer_digest_cached(model, recompute),
         "dtype": _dtype_name(model.dtype),
         "quantization": (model.source or {}).get("quantization") or "none",
-        "geometry": cache_geometry(model),
+        "geometry": _geometry_cached(model, config_sha),
         "weights_sha256": _weights_digest_cached(model, recompute) if weights else None,
         "info": dict(_versions(), model_name=model.name, variant=(model.source or {}).get("variant")),
     }

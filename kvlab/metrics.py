@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from .fragments import Fragment, clone_cache, joined_prefill, prefill_ids, source_ids
+from .fragments import Fragment, clone_cache, joined_prefill, prefill, prefill_ids, source_ids, tokenize
 from .merge import landing_positions, merge
 from .models import LoadedModel
 from .rope import layer_ropes
@@ -57,8 +57,6 @@ class Setup:
 
 def setup(model: LoadedModel, texts: list[str]) -> Setup:
     """Prefill each text as a fragment and build both references (see :class:`Setup`)."""
-    from .fragments import prefill
-
     frags = [prefill(model, t, bos=(i == 0)) for i, t in enumerate(texts)]
     return Setup(frags, phase_reference(model, frags), context_reference(model, frags))
 
@@ -178,26 +176,55 @@ def phase_by_position(phases: list[LayerPhase], layer_type: str | None = None, b
 
 
 @torch.inference_mode()
-def next_token_dist(model: LoadedModel, cache: DynamicCache, probe: str) -> torch.Tensor:
-    """``[vocab]`` float64 log-probabilities of the token after ``probe``, read behind ``cache``.
+def read_probe(model: LoadedModel, cache: DynamicCache, probe: str, greedy_tokens: int = 0) -> tuple[torch.Tensor, list[int]]:
+    """Read ``probe`` behind ``cache``: the next token's distribution and a greedy continuation.
 
     The cache is cloned first: a forward pass appends to the cache it is given.
+
+    Returns
+    -------
+    log_probs : torch.Tensor
+        ``[vocab]`` float64 log-probabilities of the token after ``probe``.
+    greedy : list of int
+        ``greedy_tokens`` greedy token ids after ``probe`` (the first is the argmax of
+        ``log_probs``' logits, from the same forward pass).
     """
-    ids = torch.tensor(model.tokenizer(probe, add_special_tokens=False)["input_ids"], dtype=torch.long)[None]
+    ids = tokenize(model, probe).to(model.device)[None]
     work = clone_cache(cache, model.config)
-    n = work.get_seq_length()
-    pos = torch.arange(n, n + ids.shape[-1])[None]
-    logits = model.model(input_ids=ids, position_ids=pos, cache=work, use_cache=True).logits[0, -1]
-    return torch.log_softmax(logits.double(), -1)
+    at = work.get_seq_length()
+    log_probs, greedy = None, []
+    for _ in range(max(1, greedy_tokens)):
+        pos = torch.arange(at, at + ids.shape[-1], device=model.device)[None]
+        logits = model.model(input_ids=ids, position_ids=pos, cache=work, use_cache=True).logits[0, -1]
+        at += ids.shape[-1]
+        if log_probs is None:
+            log_probs = torch.log_softmax(logits.double(), -1)
+        if greedy_tokens:
+            greedy.append(int(logits.argmax()))
+            ids = torch.tensor([[greedy[-1]]], device=model.device)
+    return log_probs, greedy
 
 
-def next_token_kl(model: LoadedModel, cache: DynamicCache, ref: DynamicCache, probes: list[str]) -> list[dict]:
-    """Per probe: ``KL(p_ref || p_cache)`` in nats of the next token, and whether top-1 agrees."""
-    rows = []
-    for probe in probes:
-        lp, lq = next_token_dist(model, ref, probe), next_token_dist(model, cache, probe)
-        kl = float((lp.exp() * (lp - lq)).sum())
-        t_ref, t = int(lp.argmax()), int(lq.argmax())
-        rows.append({"probe": probe, "kl": max(kl, 0.0), "top1_ref": model.tokenizer.decode([t_ref]),
-                     "top1": model.tokenizer.decode([t]), "agree": t_ref == t})
-    return rows
+def next_token_dist(model: LoadedModel, cache: DynamicCache, probe: str) -> torch.Tensor:
+    """``[vocab]`` float64 log-probabilities of the token after ``probe``, read behind ``cache`` (cloned)."""
+    return read_probe(model, cache, probe)[0]
+
+
+def kl_row(model: LoadedModel, probe: str, lp: torch.Tensor, lq: torch.Tensor) -> dict:
+    """``KL(p || q)`` in nats of two ``[vocab]`` log-probability vectors, their top-1 tokens and whether they agree."""
+    kl = float((lp.exp() * (lp - lq)).sum())
+    t_ref, t = int(lp.argmax()), int(lq.argmax())
+    return {"probe": probe, "kl": max(kl, 0.0), "top1_ref": model.tokenizer.decode([t_ref]),
+            "top1": model.tokenizer.decode([t]), "agree": t_ref == t}
+
+
+def next_token_kl(model: LoadedModel, cache: DynamicCache, ref: DynamicCache, probes: list[str],
+                  ref_dists: list[torch.Tensor] | None = None) -> list[dict]:
+    """Per probe: ``KL(p_ref || p_cache)`` in nats of the next token, and whether top-1 agrees.
+
+    ``ref_dists``: the reference's :func:`next_token_dist` per probe, when a caller
+    compares many caches against one reference (then ``ref`` is not read).
+    """
+    if ref_dists is None:
+        ref_dists = [next_token_dist(model, ref, probe) for probe in probes]
+    return [kl_row(model, probe, lp, next_token_dist(model, cache, probe)) for probe, lp in zip(probes, ref_dists, strict=True)]

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-from .cachefile import CacheFileWarning, load_cache, read_header, save_cache
+from .cachefile import CacheFileWarning, _load, save_cache
 from .errors import KvlabError, MergeError
-from .identity import Difference, compare, fingerprint
-from .fragments import Fragment, new_cache, prefill, prefill_ids, set_length, source_ids
+from .identity import Difference
+from .fragments import Fragment, clone_cache, prefill, prefill_ids, source_ids
 from .metrics import next_token_kl
 from .models import LoadedModel
 
@@ -197,14 +197,6 @@ class MismatchResult:
         return "\n".join(lines)
 
 
-def _cast(fragment: Fragment, reader: LoadedModel):
-    cache = new_cache(reader.config)
-    for i, layer in enumerate(fragment.cache.layers):
-        cache.update(layer.keys.to(reader.device, reader.dtype), layer.values.to(reader.device, reader.dtype), i)
-        set_length(cache.layers[i], layer.get_seq_length())
-    return cache
-
-
 def mismatch_kl(cache_file_or_fragment, reader: LoadedModel, probes=DEFAULT_PROBES) -> MismatchResult:
     """Per probe, how far the reader moves when it reads a foreign cache instead of its own.
 
@@ -229,19 +221,18 @@ def mismatch_kl(cache_file_or_fragment, reader: LoadedModel, probes=DEFAULT_PROB
     """
     if isinstance(cache_file_or_fragment, Fragment):
         foreign, differences = cache_file_or_fragment, None
+        # A foreign fragment in another dtype is cast, as a non-strict load would.
+        theirs = clone_cache(foreign.cache, reader.config, dtype=reader.dtype, device=reader.device)
     else:
-        header = read_header(cache_file_or_fragment)
-        producer = header.get("producer") if header else None
-        differences = compare(producer, fingerprint(reader)) if producer is not None else None
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", CacheFileWarning)
-            foreign = load_cache(cache_file_or_fragment, reader, strict=False, allow_unverified=True)
+            foreign, differences = _load(cache_file_or_fragment, reader, strict=False, allow_unverified=True)
+        theirs = foreign.cache
     if foreign.start != 0:
         raise MergeError(f"mismatch_kl reads probes right behind the cache, so it must start at position 0, "
                          f"not {foreign.start}")
     ids = source_ids(foreign, 0)
     own = prefill_ids(reader, ids, 0)
-    theirs = _cast(foreign, reader)
     rows = [ProbeKL(r["probe"], r["kl"], r["top1_ref"], r["top1"]) for r in next_token_kl(reader, theirs, own, list(probes))]
     return MismatchResult(reader=reader.name, differences=differences, rows=rows)
 

@@ -15,12 +15,8 @@ from matplotlib.ticker import MaxNLocator
 
 from .metrics import LayerDiff, LayerPhase, layer_position_grid, phase_by_position
 
-#: Pairs split into thirds by frequency: high (fast-turning), mid, low (slow-turning).
-BANDS = ("high", "mid", "low")
-
-
 def band_slices(n_pairs: int) -> dict[str, slice]:
-    """Rotary pairs ``0..n_pairs-1`` are ordered fast to slow; split them into thirds."""
+    """Rotary pairs ``0..n_pairs-1`` are ordered fast to slow; split them into thirds: high, mid, low."""
     a, b = n_pairs // 3, 2 * n_pairs // 3
     return {"high": slice(0, a), "mid": slice(a, b), "low": slice(b, n_pairs)}
 
@@ -56,6 +52,24 @@ def phase_vs_position(phases_by_strategy: dict[str, list[LayerPhase]], model_nam
     axes[-1].legend(loc="lower right")
     where = f", {layer_type} layers" if layer_type else ""
     fig.suptitle(f"{model_name}: phase error vs position, {' vs '.join(phases_by_strategy)}{where}")
+    return fig
+
+
+def phase_vs_position_head(phase: LayerPhase, head: int, title: str, landings: list[int]) -> Figure:
+    """Mean phase error (radians, log scale) against position for one layer and KV head, one line per band.
+
+    ``phase.angle`` is ``[kv_heads, N, rotary_dim // 2]``; the band mean is over its pairs.
+    """
+    fig, ax = plt.subplots(figsize=(9, 3.4), constrained_layout=True)
+    for band, sl in band_slices(phase.angle.shape[-1]).items():
+        err = phase.angle[head][:, sl].double().mean(-1).numpy()
+        ax.plot(phase.positions.numpy(), np.maximum(err, 1e-9), label=f"{band}-frequency pairs")
+    _boundaries(ax, landings)
+    ax.set_yscale("log")
+    ax.set_xlabel("position in merged cache (tokens)")
+    ax.set_ylabel("mean phase error (rad)")
+    ax.set_title(title)
+    ax.legend()
     return fig
 
 

@@ -33,8 +33,8 @@ from transformers import DynamicCache
 from .errors import MergeError
 from .fragments import Fragment
 from .models import LoadedModel
-from .rope import find_rotary_module, layer_types, rotate_keys
-from .strategies import Rerotate, Strategy, register, rerotation_frequencies
+from .rope import find_rotary_module, layer_types
+from .strategies import KeyRotator, Rerotate, Strategy, concat_layers, register
 
 POLICIES = ("deviation", "fragment_start", "random")
 
@@ -94,11 +94,12 @@ class Recompute(Strategy):
         return int(round(self.ratio * total))
 
     def __call__(self, fragments: list[Fragment], landings: list[int], model: LoadedModel) -> DynamicCache:
-        merged = Rerotate()(fragments, landings, model)
+        rotator = KeyRotator(model, fragments, landings)
+        merged = concat_layers(fragments, landings, rotator)
         total = landings[-1] + fragments[-1].length
         if self.budget(total) == 0:
             return merged
-        run = _Runner(model, fragments, landings)
+        run = _Runner(model, fragments, landings, rotator)
         chosen = self._select(run, merged)
         run.recompute(merged, chosen)
         return merged
@@ -219,7 +220,8 @@ class _StoppingSlotWriter(_SlotWriter):
 class _Runner:
     """Runs the model's decoder layers on a subset of the merged tokens."""
 
-    def __init__(self, model: LoadedModel, fragments: list[Fragment], landings: list[int]):
+    def __init__(self, model: LoadedModel, fragments: list[Fragment], landings: list[int],
+                 rotator: KeyRotator | None = None):
         config = model.config
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -252,7 +254,7 @@ class _Runner:
         self.cache_kw = next((n for n in ("cache", "past_key_values", "layer_past") if n in params), None)
         if self.cache_kw is None:
             raise MergeError(f"{type(self.layers[0]).__name__}.forward takes no cache argument; cannot recompute through it")
-        self._inv_freqs = None
+        self._rotator = rotator
 
     def _position_embeddings(self, h: torch.Tensor, slots: torch.Tensor) -> list:
         """Per layer ``(cos, sin)``, each ``[1, k, rotary_dim]``, for the tokens at ``slots``.
@@ -416,22 +418,25 @@ class _Runner:
         avail : torch.Tensor
             ``[N]`` bool, the slots holding a K/V.
         """
-        if self._inv_freqs is None:
-            self._inv_freqs = rerotation_frequencies(self.model, self.fragments, self.landings)
+        if self._rotator is None:
+            self._rotator = KeyRotator(self.model, self.fragments, self.landings)
         layer = merged.layers[li]
         k0 = layer.keys
+        kept = k0.shape[-2]
+        tail = self.total - kept  # slots from here on are the merged layer's own (already re-rotated)
         shape = (1, k0.shape[1], self.total, k0.shape[3])
         keys = torch.zeros(shape, dtype=k0.dtype, device=k0.device)
         values = torch.zeros(shape, dtype=k0.dtype, device=k0.device)
         avail = torch.zeros(self.total, dtype=torch.bool, device=self.device)
         for f, land in zip(self.fragments, self.landings):
             fk, fv = f.cache.layers[li].keys, f.cache.layers[li].values
-            s1 = land + f.length
-            s0 = s1 - fk.shape[-2]
-            rotate_keys(fk, self._inv_freqs[li], land - f.start, out=keys[..., s0:s1, :])
-            values[..., s0:s1, :] = fv
-            avail[s0:s1] = True
-        kept = k0.shape[-2]
-        keys[..., self.total - kept :, :] = k0
-        values[..., self.total - kept :, :] = layer.values
+            end = land + f.length
+            s0 = end - fk.shape[-2]
+            s1 = min(end, tail)
+            if s1 > s0:
+                self._rotator(fk[..., : s1 - s0, :], li, f, land, keys[..., s0:s1, :])
+                values[..., s0:s1, :] = fv[..., : s1 - s0, :]
+            avail[s0:end] = True
+        keys[..., tail:, :] = k0
+        values[..., tail:, :] = layer.values
         return keys, values, avail

@@ -219,8 +219,6 @@ def rotate_keys(keys: torch.Tensor, inv_freq: torch.Tensor, delta: int | torch.T
     torch.Tensor
         ``[batch, kv_heads, seq, head_dim]``, a new tensor unless ``out`` is given; ``keys`` is not modified.
     """
-    if 2 * inv_freq.numel() > keys.shape[-1]:
-        raise UnsupportedRopeError(f"rotary_dim {2 * inv_freq.numel()} exceeds head_dim {keys.shape[-1]}")
     cos2, sin = rotation(inv_freq, delta, keys.dtype, keys.device)
     return apply_rotation(keys, cos2, sin, out)
 

@@ -145,22 +145,33 @@ class Rerotate(Strategy):
     needs_model: ClassVar[bool] = True
 
     def __call__(self, fragments, landings, model):
-        inv_freqs = rerotation_frequencies(model, fragments, landings)
-        # Layers of one type share a frequency tensor: build each (frequencies, shift)
-        # rotation once, not once per layer (it dominates short merges otherwise).
-        rotations = {}
+        return concat_layers(fragments, landings, KeyRotator(model, fragments, landings))
 
-        def write(k, li, f, land, out):
-            delta = land - f.start
-            if delta == 0:
-                out.copy_(k)
-                return
-            key = (id(inv_freqs[li]), delta, k.dtype, k.device)
-            if key not in rotations:
-                rotations[key] = rotation(inv_freqs[li], delta, k.dtype, k.device)
-            apply_rotation(k, *rotations[key], out=out)
 
-        return concat_layers(fragments, landings, write)
+class KeyRotator:
+    """Writes a fragment's keys turned from its own positions to where it lands.
+
+    The key writer of :func:`concat_layers` for :class:`Rerotate`, shared with the
+    ``recompute`` strategy. Layers of one type share a frequency tensor, so each
+    (frequencies, shift) rotation is built once per merge, not once per layer (it
+    dominates short merges otherwise). Refuses schedules that do not compose.
+    """
+
+    def __init__(self, model: LoadedModel, fragments: list[Fragment], landings: list[int]):
+        self.inv_freqs = rerotation_frequencies(model, fragments, landings)
+        self._rotations: dict = {}
+
+    def __call__(self, k: torch.Tensor, li: int, f: Fragment, land: int, out: torch.Tensor) -> None:
+        """Write ``k`` (``[batch, kv_heads, n, head_dim]``, layer ``li`` of ``f``) rotated to ``land`` into ``out``."""
+        delta = land - f.start
+        if delta == 0:
+            out.copy_(k)
+            return
+        inv_freq = self.inv_freqs[li]
+        key = (id(inv_freq), delta, k.dtype, k.device)
+        if key not in self._rotations:
+            self._rotations[key] = rotation(inv_freq, delta, k.dtype, k.device)
+        apply_rotation(k, *self._rotations[key], out=out)
 
 
 def rerotation_frequencies(model: LoadedModel, fragments: list[Fragment], landings: list[int]) -> list[torch.Tensor]:
