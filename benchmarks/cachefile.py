@@ -38,7 +38,7 @@ from safetensors.torch import load_file, save_file
 import kvlab
 import kvlab.identity as fpmod
 from kvlab.fragments import new_cache
-TUNED = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(4 << 30), "MALLOC_TOP_PAD_": str(256 << 20)}
+from merge import TUNED  # benchmarks/merge.py: run as a script, this folder is sys.path[0]
 
 
 def median_time(fn, repeats: int, setup=None) -> float:

@@ -7,9 +7,8 @@ Like that script it runs twice, in child processes, with glibc's malloc defaults
 glibc told to keep freed memory (see its docstring for why); recompute is mostly matrix
 products, so the setting mainly moves the memory-bound rerotate. Each row also gives the
 process CPU time: on a shared machine other processes stretch wall times (a run whose
-CPU and wall ratios disagree was disturbed). ``reprefill`` is kvlab's strategy, which
-also computes logits for every token; ``prefill, no logits`` is the same forward without
-the LM head, the stricter baseline.
+CPU and wall ratios disagree was disturbed). ``reprefill`` is kvlab's strategy: one
+forward of the joined tokens, with the LM head applied to the last token only.
 
 What recompute costs: re-rotation, then every decoder layer on ``ratio * N`` tokens with
 attention over the merged cache; ``deviation`` adds a prefill of all ``N`` tokens through
@@ -19,31 +18,18 @@ takes at most 0.3x the time of reprefill at 2x1024 tokens.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 import kvlab
-from kvlab.fragments import new_cache
-import kvlab.recompute  # noqa: F401 (registers the strategy until kvlab imports it itself)
+from kvlab.recompute import POLICIES
+from merge import TUNED  # benchmarks/merge.py: run as a script, this folder is sys.path[0]
 
-
-def _merge_bench():
-    # benchmarks/ is not a package; load its sibling by path for the malloc settings.
-    spec = importlib.util.spec_from_file_location("kvlab_bench_merge", Path(__file__).with_name("merge.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-TUNED = _merge_bench().TUNED
-POLICIES = ("deviation", "fragment_start", "random")
 TARGET = 0.3
 
 
@@ -77,30 +63,19 @@ def main() -> None:
     k = kvlab.STRATEGIES["recompute"](ratio=args.ratio).budget(n)
     print(f"model {model.name}, fp32, torch threads {torch.get_num_threads()}; 2x{args.tokens} tokens, ratio {args.ratio} "
           f"({k} of {n} tokens); median of {args.repeats} (reprefill: {args.reprefill_repeats}), after one warm-up")
-    ids = torch.cat([f.token_ids for f in frags])
-
-    @torch.inference_mode()
-    def body_prefill():
-        cache = new_cache(model.config)
-        model.model.base_model(input_ids=ids[None], position_ids=torch.arange(n)[None], cache=cache, use_cache=True)
-
     runs = [("reprefill", lambda: kvlab.merge(frags, "reprefill", model), args.reprefill_repeats),
-            ("prefill, no logits", body_prefill, args.reprefill_repeats),
             ("rerotate", lambda: kvlab.merge(frags, "rerotate", model), args.repeats)]
     runs += [(f"recompute {p}", (lambda p=p: kvlab.merge(frags, "recompute", model, ratio=args.ratio, policy=p)), args.repeats)
              for p in args.policies]
-    print(f"{'':<26} {'wall s':>8} {'cpu s':>8} {'wall/reprefill':>15} {'wall/no-logits':>15} {'cpu/reprefill':>14}")
+    print(f"{'':<26} {'wall s':>8} {'cpu s':>8} {'wall/reprefill':>15} {'cpu/reprefill':>14}")
     base = {}
     for label, fn, repeats in runs:
         wall, cpu = timed(fn, repeats)
         base.setdefault("wall", wall)
         base.setdefault("cpu", cpu)
-        if label == "prefill, no logits":
-            base["body"] = wall
         ratio = wall / base["wall"]
         verdict = ("ok" if ratio <= TARGET else f"over the {TARGET}x target") if label.startswith("recompute") else ""
-        body = f"{wall / base['body']:>15.3f}" if "body" in base else f"{'':>15}"
-        print(f"{label:<26} {wall:>8.3f} {cpu:>8.3f} {ratio:>15.3f} {body} {cpu / base['cpu']:>14.3f}  {verdict}", flush=True)
+        print(f"{label:<26} {wall:>8.3f} {cpu:>8.3f} {ratio:>15.3f} {cpu / base['cpu']:>14.3f}  {verdict}", flush=True)
 
 
 def timed(fn, repeats: int) -> tuple[float, float]:

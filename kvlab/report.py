@@ -33,46 +33,47 @@ def _coerce(value: str):
         return value
 
 
-def plan(only: list[str] | None, params: dict[str, str], model: str | None, folder: Path = NOTEBOOK_DIR) -> list[tuple[str, Path, dict]]:
+def plan(only: list[str] | None, params: dict[str, str], model: str | None) -> list[tuple[str, Path, dict]]:
     """Check names and parameters against the notebooks; return what would run."""
     import papermill as pm
 
-    available = notebooks(folder)
+    available = notebooks()
     names = only or list(available)
     unknown = [n for n in names if n not in available]
     if unknown:
         raise ReportError(f"unknown notebook(s) {', '.join(unknown)}; available: {', '.join(available)}")
+    given = {k: _coerce(v) for k, v in params.items()}
+    if model is not None:
+        given["model_name"] = model
     out = []
     for name in names:
         declared = pm.inspect_notebook(str(available[name]))
-        given = {k: _coerce(v) for k, v in params.items()}
-        if model is not None:
-            given["model_name"] = model
         extra = sorted(set(given) - set(declared))
         if extra:
             raise ReportError(f"notebook {name} does not declare parameter(s) {', '.join(extra)}; it declares: {', '.join(declared)}")
-        out.append((name, available[name], given))
+        out.append((name, available[name], dict(given)))
     return out
 
 
 def finding(nb_path: Path) -> str:
-    nb = json.loads(nb_path.read_text())
+    """The last ``Finding:`` line a run notebook printed."""
+    import nbformat
+
     lines = []
-    for cell in nb["cells"]:
+    for cell in nbformat.read(nb_path, as_version=4).cells:
         for o in cell.get("outputs", []):
-            text = o.get("text") or "".join(o.get("data", {}).get("text/plain", ""))
-            text = "".join(text) if isinstance(text, list) else text
+            text = o.get("text") or o.get("data", {}).get("text/plain", "")
             lines += [l for l in text.splitlines() if l.startswith("Finding:")]
     return lines[-1][len("Finding:"):].strip() if lines else "(no finding printed)"
 
 
 def run_report(out: Path, only: list[str] | None = None, params: dict[str, str] | None = None, model: str | None = None,
-               progress: bool = True, folder: Path = NOTEBOOK_DIR) -> Path:
+               progress: bool = True) -> Path:
     """Execute the chosen notebooks into ``out`` (ipynb + HTML) and write ``out/index.html``."""
     import papermill as pm
     from nbconvert import HTMLExporter
 
-    jobs = plan(only, params or {}, model, folder)
+    jobs = plan(only, params or {}, model)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for name, src, given in jobs:

@@ -394,36 +394,28 @@ def test_header_length_past_the_end(saved, llama, tmp_path):
             load_cache(corrupt(tmp_path / "h.kvcache", struct.pack("<Q", n) + data[8:]), llama)
 
 
-def test_missing_tensor(tmp_path, llama, frag):
+def test_missing_tensor(tmp_path, llama, frag, saved):
     path = write_with(tmp_path / "m.kvcache", frag, llama, tensors_edit=lambda ts: ts[:-1])
     with pytest.raises(CacheFileError, match="kvlab header: tensors must map exactly"):
         load_cache(path, llama)
     # The header still lists every tensor with its digest, as if one was cut out afterwards.
     _, tensors = cf._describe(frag, None)
-    cf._write_file(tmp_path / "m2.kvcache", tensors[:-1], _full_header(frag, llama, tensors), fill_digests=False)
+    cf._write_file(tmp_path / "m2.kvcache", tensors[:-1], read_header(saved), fill_digests=False)
     with pytest.raises(CacheFileError, match=r"missing tensor\(s\) layers\.2\.values"):
         load_cache(tmp_path / "m2.kvcache", llama)
 
 
-def _full_header(frag, model, tensors):
-    header, real = cf._describe(frag, fingerprint(model))
-    names = [n for n, _ in real]
-    digests = {n: cf.tensor_digest(t) for n, t in real}
-    header.update(tensors=digests, content_digest=cf.content_digest(names, digests))
-    return header
-
-
-def test_extra_tensor(tmp_path, llama, frag):
+def test_extra_tensor(tmp_path, llama, frag, saved):
     _, tensors = cf._describe(frag, None)
-    header = _full_header(frag, llama, tensors)
+    header = read_header(saved)
     cf._write_file(tmp_path / "e.kvcache", tensors + [("evil", torch.zeros(3))], header, fill_digests=False)
     with pytest.raises(CacheFileError, match="unexpected tensor\\(s\\) 'evil' not in the header"):
         load_cache(tmp_path / "e.kvcache", llama)
 
 
-def test_shape_that_disagrees_with_the_header(tmp_path, llama, frag):
+def test_shape_that_disagrees_with_the_header(tmp_path, llama, frag, saved):
     _, tensors = cf._describe(frag, None)
-    header = _full_header(frag, llama, tensors)
+    header = read_header(saved)
     name, t = tensors[3]
     tensors[3] = (name, t.reshape(t.shape[0], t.shape[1], t.shape[3], t.shape[2]))
     cf._write_file(tmp_path / "s.kvcache", tensors, header, fill_digests=False)
@@ -546,14 +538,14 @@ JSON = st.recursive(
 )
 
 @pytest.fixture(scope="module")
-def fuzz(tmp_path_factory):
+def fuzz(tmp_path_factory, gemma):
     """A tiny-gemma3 cache (hybrid layers) and its parts; module-scoped, so hypothesis may reuse it."""
-    model = kvlab.load_model("tiny-gemma3")
+    model = gemma
     frag = kvlab.prefill(model, "fuzz me, but only with kvlab errors")
     _, tensors = cf._describe(frag, None)
     folder = tmp_path_factory.mktemp("fuzz")
     good = save_cache(folder / "good.kvcache", frag, model).read_bytes()
-    return {"model": model, "header": _full_header(frag, model, tensors), "tensors": tensors, "dir": folder,
+    return {"model": model, "header": read_header(folder / "good.kvcache"), "tensors": tensors, "dir": folder,
             "bytes": good, "entries": json.loads(good[8:header_end(good)]), "data": good[header_end(good):]}
 
 

@@ -99,10 +99,10 @@ def test_difference_message_names_both_values():
         "weights_sha256: file abababababababab…, model cdcdcdcdcdcdcdcd…"
 
 
-def _variant(base: LoadedModel, module=None, tokenizer=None, config=None, **source) -> LoadedModel:
+def _variant(base: LoadedModel, module=None, tokenizer=None, **source) -> LoadedModel:
     module = module if module is not None else base.model
     return LoadedModel(model=module, tokenizer=tokenizer or base.tokenizer, name=base.name,
-                       config=config or module.config, source=dict(base.source, **source))
+                       config=module.config, source=dict(base.source, **source))
 
 
 # Real changes, made one at a time to a copy of the model; each is caught by its own field.

@@ -13,17 +13,15 @@ import pytest
 import torch
 
 import kvlab
-import kvlab.recompute  # noqa: F401 (registers "recompute" until kvlab/__init__ imports it)
 from kvlab.check import DEFAULT_PROBES, DEFAULT_TEXTS
 from kvlab.fidelity import Fidelity, fidelity
 from kvlab.metrics import context_reference, kv_diff, max_diff
-from kvlab.recompute import Recompute, fragment_start_positions
+from kvlab.recompute import POLICIES, Recompute, fragment_start_positions
 from kvlab.tiny import build_tiny
 
 from conftest import assert_unchanged, snapshot, tiny
 
 TEXTS = ["Cached keys remember where they were.", " A second fragment of text,", " and a third that lands last."]
-POLICIES = ["deviation", "fragment_start", "random"]
 #: |K|, |V| against the joined prefill at ratio 1; measured max 0.0 on every model here.
 TOL_TINY = 1e-5
 #: same on the real models (larger activations); measured max 0.0 on SmolLM2 and Gemma 3.
@@ -263,15 +261,6 @@ def test_fidelity_of_strategies_and_of_ready_caches():
 # --- real models ---------------------------------------------------------------------
 
 
-@torch.inference_mode()
-def body_prefill(m, ids):
-    """A prefill's cache without the logits (kvlab.prefill_ids computes them, and Gemma 3's
-    262k-token vocabulary makes them most of the time of a prefill)."""
-    cache = kvlab.fragments.new_cache(m.config)
-    m.model.base_model(input_ids=ids[None], position_ids=torch.arange(len(ids))[None], cache=cache, use_cache=True)
-    return cache
-
-
 @pytest.mark.real
 def test_smollm2_limits_and_kl(smollm2):
     m = smollm2
@@ -291,8 +280,8 @@ def test_gemma3_limits_across_the_sliding_window(gemma3):
     m = gemma3
     g = torch.Generator().manual_seed(0)
     ids = [torch.randint(100, 20000, (260,), generator=g) for _ in range(2)]
-    fs = [kvlab.Fragment(body_prefill(m, x), x, None, 0, m.name, m.config) for x in ids]
+    fs = [kvlab.Fragment(kvlab.prefill_ids(m, x[None]), x, None, 0, m.name, m.config) for x in ids]
     merged = kvlab.merge(fs, "recompute", m, ratio=1.0)
     assert [l.keys.shape[-2] for l in merged.layers][:6] == [511] * 5 + [520]
-    assert_close(merged, body_prefill(m, torch.cat(ids)), TOL_REAL)
+    assert_close(merged, kvlab.prefill_ids(m, torch.cat(ids)[None]), TOL_REAL)
     assert_same(kvlab.merge(fs, "recompute", m, ratio=0.0), kvlab.merge(fs, "rerotate", m))
