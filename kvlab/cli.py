@@ -11,6 +11,12 @@ import torch
 def _models(args) -> int:
     from .catalog import model_rows
 
+    if args.prepare is not None:
+        from .models import prepare
+
+        for name, folder in prepare(args.prepare or None).items():
+            print(f"{name}: ready in {folder}")
+        return 0
     rows = model_rows()
     head = f"{'name':<14} {'family':<10} {'layers':>6} {'kv heads':>8} {'head_dim':>8}  {'rope':<40} {'cached':<8}"
     print(head)
@@ -105,7 +111,9 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="kvlab", description="Is a merged or reloaded KV cache still right?")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("models", help="list the models kvlab can load")
+    p = sub.add_parser("models", help="list the models kvlab can load, or prepare (convert) them ahead of time")
+    p.add_argument("--prepare", nargs="*", metavar="NAME",
+                   help="convert these real models now (default: every installed one), with a progress bar on a terminal")
     p.set_defaults(func=_models)
     p = sub.add_parser("check", help="every merge strategy against both references, as a table")
     p.add_argument("--model", default=DEFAULT_MODEL)

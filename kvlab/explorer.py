@@ -7,6 +7,7 @@ drive it by setting widget values, with or without a browser.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import html
 import io
 
@@ -16,7 +17,8 @@ import matplotlib.pyplot as plt
 from .check import DEFAULT_PROBES, DEFAULT_TEXTS
 from .errors import KvlabError
 from .merge import landing_positions, merge
-from .metrics import kv_diff, next_token_dist, next_token_kl, phase_error, setup
+from .metrics import (kv_diff, max_phase_error, next_token_dist, next_token_kl, phase_beyond_rounding, phase_error,
+                      setup, weighted_phase_error)
 from .models import DEFAULT_MODEL, LoadedModel, load_model
 from .plots import kv_heatmap, phase_vs_position_head
 from .strategies import STRATEGIES, strategy_names
@@ -120,7 +122,9 @@ class MergeExplorer:
         self.phases = phase_error(self.merged, self.phase_ref, m)
         self.diffs = kv_diff(self.merged, self.phase_ref)
         self.kl = next_token_kl(m, self.merged, self.joined, self.probes, self.joined_dists)
-        self.state["max_phase_error"] = max(float(p.angle.max()) for p in self.phases)
+        self.state["max_phase_error"] = max_phase_error(self.phases)
+        self.state["weighted_phase_error"] = weighted_phase_error(self.phases)
+        self.state["phase_beyond_rounding"] = phase_beyond_rounding(self.phases)
         self.state["kl"] = [r["kl"] for r in self.kl]
         self.state["top1_agree"] = sum(r["agree"] for r in self.kl)
         self._render()
@@ -148,7 +152,7 @@ class MergeExplorer:
             return
         li, hi = self.layer.value, self.head.value
         p = self.phases[li]
-        head_err = float(p.angle[hi].max())
+        head_err = max_phase_error([dataclasses.replace(p, angle=p.angle[hi : hi + 1])])
         self.state.update(layer=li, head=hi, max_phase_error_layer_head=head_err)
         self.readout.value = (
             f"<b>{self.state['model']} / {self.state['strategy']}</b>: max phase error over all layers "

@@ -8,6 +8,7 @@ cache, the merge is run and its wall time recorded too.
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -99,6 +100,27 @@ class FidelityReference:
         if key not in self._reads:
             self._reads[key] = read_probe(self.model, self.cache, probe, greedy_tokens)
         return self._reads[key]
+
+
+def merge_seconds(model: LoadedModel, fragments: list[Fragment], strategy: str | Strategy, *, repeats: int = 5,
+                  warmup: int = 1, **options) -> float:
+    """Warm wall time of one merge: the median of ``repeats`` runs after ``warmup`` untimed ones.
+
+    A first call pays one-time costs (allocator growth, rotation tables, lazy imports) that
+    are not the strategy's; a single cold timing of a 10 ms merge can come out slower than a
+    1 s prefill. Use this, not :attr:`Fidelity.merge_s`, for cost comparisons.
+    """
+    if repeats < 1 or warmup < 0:
+        raise MergeError(f"merge_seconds needs repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
+    strat = resolve(strategy, **options)
+    for _ in range(warmup):
+        merge(fragments, strat, model)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        merge(fragments, strat, model)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def fidelity(model: LoadedModel, fragments: list[Fragment], merged: DynamicCache | str | Strategy = "rerotate", *,

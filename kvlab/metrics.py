@@ -119,6 +119,39 @@ def max_diff(diffs: list[LayerDiff], which: str = "k", positions: slice | None =
     return best
 
 
+# Pairs whose norm (in either cache) is below this fraction of the layer's RMS pair norm are
+# masked. Their angle is set by rounding, not by rotation: the two caches agree element-wise
+# only to ~1e-6 of the layer's largest key (measured, both real models), which at 1e-3 of the
+# RMS norm already moves the angle by ~1e-2 rad. Exact zeros (Gemma 3 has whole zero pairs in
+# layers 5, 12, 14 and 17) have no angle at all: atan2 gives 0 or pi there by the signs of the zeros.
+MIN_PAIR_NORM = 1e-3
+
+# Relative element-wise agreement of two fp32 forward passes of the same tokens at different
+# absolute positions: measured max|K_rerotated - K_phase_ref| / max|K_ref| over all layers is
+# 1.6e-6 (SmolLM2), 4.2e-6 (Gemma 3), up to 6.4e-6 (tiny models), four fragments of ~30 tokens.
+# The angle bound built on it (LayerPhase.resolution) is at most 0.27 of its value for rerotate
+# on all of these, and ~1e5 times it for a naive merge.
+REL_KEY_NOISE = 1e-5
+
+# fp32 unit roundoff: HF computes each rotary angle as float32(position * inv_freq), which is
+# off by up to this fraction of itself (the reference carries that; rerotate works in float64).
+_FP32_U = 2.0 ** -24
+
+
+def rel_key_error(cache: DynamicCache, ref: DynamicCache) -> float:
+    """``max`` over layers of ``max |K - K_ref| / max |K_ref|``: a key error on the keys' own scale.
+
+    Comparable across models whose keys differ in size (Gemma 3's are about twice SmolLM2's),
+    and with :data:`REL_KEY_NOISE`, the agreement two fp32 forward passes reach.
+    """
+    worst = 0.0
+    for li, d in enumerate(kv_diff(cache, ref)):
+        scale = float(ref.layers[li].keys.abs().max())
+        if scale > 0:
+            worst = max(worst, float(d.k.max()) / scale)
+    return worst
+
+
 @dataclass
 class LayerPhase:
     """Rotation angle between merged and reference key pairs of one layer.
@@ -129,22 +162,61 @@ class LayerPhase:
         ``[T]``.
     angle : torch.Tensor
         ``[kv_heads, T, rotary_dim // 2]`` in radians, in ``[0, pi]``; pair ``i`` is
-        dimensions ``(i, i + rotary_dim/2)`` at frequency ``inv_freq[i]``.
+        dimensions ``(i, i + rotary_dim/2)`` at frequency ``inv_freq[i]``. NaN where the pair
+        is masked (see :func:`phase_error`).
+    norm : torch.Tensor
+        ``[kv_heads, T, rotary_dim // 2]`` the smaller of the two pairs' Euclidean norms.
+    weight : torch.Tensor
+        ``[kv_heads, T, rotary_dim // 2]`` ``|x| |y|``, the product of the two pairs' norms
+        (zero for an empty pair), used by :func:`weighted_phase_error`.
     inv_freq : torch.Tensor
         ``[rotary_dim // 2]`` radians per position.
     layer_type : str
+    key_scale : float
+        ``max |K_ref|`` over the layer, the scale of its rounding noise.
+    rms_pair_norm : float
+        Root mean square of the reference's pair norms; the masking threshold is relative to it.
     """
 
     positions: torch.Tensor
     angle: torch.Tensor
     inv_freq: torch.Tensor
     layer_type: str
+    norm: torch.Tensor | None = None
+    weight: torch.Tensor | None = None
+    key_scale: float = 0.0
+    rms_pair_norm: float = 0.0
+
+    @property
+    def masked(self) -> torch.Tensor:
+        """``[kv_heads, T, rotary_dim // 2]`` True where the pair carries too little norm to have an angle."""
+        return torch.isnan(self.angle)
+
+    def resolution(self, rel_noise: float = REL_KEY_NOISE) -> torch.Tensor:
+        """``[kv_heads, T, rotary_dim // 2]`` the angle (radians) that fp32 rounding alone can explain.
+
+        Two terms: element noise ``rel_noise * key_scale`` turns a pair of norm ``r`` by up to
+        ``sqrt(2) * noise / r``; and the reference's fp32 rotary angle ``position * inv_freq``
+        is off by up to ``2 * u * position * inv_freq`` (``u = 2**-24``; 2x for the two
+        roundings of product and argument). Capped at pi.
+        """
+        pos = self.positions.to(self.inv_freq.device, torch.float64)
+        arg = 2 * _FP32_U * (pos[:, None] * self.inv_freq.double()[None, :])  # [T, pairs]
+        noise = math.sqrt(2) * rel_noise * self.key_scale / self.norm.double().clamp_min(1e-30)
+        return (arg[None] + noise).clamp_max(math.pi).float()
 
 
-def phase_error(cache: DynamicCache, ref: DynamicCache, model: LoadedModel) -> list[LayerPhase]:
+def phase_error(cache: DynamicCache, ref: DynamicCache, model: LoadedModel,
+                min_norm: float | None = MIN_PAIR_NORM) -> list[LayerPhase]:
     """Angle between each rotary key pair of ``cache`` and of ``ref``, per layer.
 
     Computed in float64 as ``atan2(|x cross y|, x . y)`` so tiny angles keep their precision.
+    A pair whose norm in either cache is below ``min_norm`` times the layer's RMS pair norm
+    (in ``ref``) has no meaningful angle and is masked (NaN), so it neither counts as an
+    error nor hides one elsewhere: a zero pair gets 0 or pi from ``atan2`` by the signs of
+    its zeros. :func:`weighted_phase_error` needs no threshold: it weights every angle by
+    ``|x| |y|``. ``min_norm=0`` masks only exact zeros; ``None`` masks nothing (raw ``atan2``,
+    for showing the artefact).
     """
     out = []
     for li, rope in enumerate(layer_ropes(model.model)):
@@ -153,25 +225,76 @@ def phase_error(cache: DynamicCache, ref: DynamicCache, model: LoadedModel) -> l
         x1, x2 = k[..., :h].double(), k[..., h : 2 * h].double()
         y1, y2 = kr[..., :h].double(), kr[..., h : 2 * h].double()
         angle = torch.atan2((x1 * y2 - x2 * y1).abs(), x1 * y1 + x2 * y2)
-        out.append(LayerPhase(pos, angle.float(), rope.inv_freq, rope.layer_type))
+        nx, ny = torch.hypot(x1, x2), torch.hypot(y1, y2)
+        rms = float(ny.pow(2).mean().sqrt()) if ny.numel() else 0.0
+        norm = torch.minimum(nx, ny)
+        if min_norm is not None:
+            angle = angle.masked_fill((norm <= min_norm * rms) | (norm == 0), math.nan)
+        out.append(LayerPhase(pos, angle.float(), rope.inv_freq, rope.layer_type, norm=norm.float(),
+                              weight=(nx * ny).float(), key_scale=float(kr.abs().max()) if kr.numel() else 0.0,
+                              rms_pair_norm=rms))
     return out
+
+
+def _select(phases: list[LayerPhase], layer_type: str | None):
+    return [p for p in phases if layer_type is None or p.layer_type == layer_type]
+
+
+def max_phase_error(phases: list[LayerPhase], layer_type: str | None = None) -> float:
+    """Largest angle (radians) over every unmasked pair of the given layers; NaN if all are masked."""
+    vals = [float(a.max()) for p in _select(phases, layer_type) if (a := p.angle[~p.masked]).numel()]
+    return max(vals) if vals else math.nan
+
+
+def weighted_phase_error(phases: list[LayerPhase], layer_type: str | None = None, band: slice | None = None) -> float:
+    """Magnitude-weighted mean angle (radians): ``sum(|x||y| angle) / sum(|x||y|)`` over every pair.
+
+    Needs no masking threshold: an empty pair weighs nothing, and a pair counts in
+    proportion to how much it contributes to attention scores.
+    """
+    num = den = 0.0
+    for p in _select(phases, layer_type):
+        a, w = p.angle, p.weight
+        if band is not None:
+            a, w = a[..., band], w[..., band]
+        w = w.double().masked_fill(torch.isnan(a), 0.0)
+        num += float((a.double().nan_to_num(0.0) * w).sum())
+        den += float(w.sum())
+    return num / den if den > 0 else math.nan
+
+
+def phase_beyond_rounding(phases: list[LayerPhase], rel_noise: float = REL_KEY_NOISE) -> float:
+    """Largest ``angle / resolution`` over unmasked pairs (see :meth:`LayerPhase.resolution`).
+
+    At most 1 means every measurable pair agrees with the reference to within what fp32
+    rounding can explain; a phase error shows up as a ratio far above 1.
+    """
+    worst = 0.0
+    for p in phases:
+        r = p.angle.double() / p.resolution(rel_noise).double()
+        r = r[~torch.isnan(r)]
+        if r.numel():
+            worst = max(worst, float(r.max()))
+    return worst
 
 
 def phase_by_position(phases: list[LayerPhase], layer_type: str | None = None, band: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean phase error per position over layers, heads and the given frequency pairs.
 
-    Returns
+    Masked pairs are left out of the mean. Returns
     -------
-    positions : torch.Tensor ``[N]``; error : torch.Tensor ``[N]`` radians (NaN where no layer holds the position).
+    positions : torch.Tensor ``[N]``; error : torch.Tensor ``[N]`` radians (NaN where no layer
+    holds the position, or every pair there is masked).
     """
     n = max(int(p.positions[-1]) + 1 for p in phases)
     total, count = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
-    for p in phases:
-        if layer_type is not None and p.layer_type != layer_type:
-            continue
-        a = p.angle if band is None else p.angle[..., band]
-        total[p.positions] += a.double().mean(dim=(0, 2))
-        count[p.positions] += 1
+    for p in _select(phases, layer_type):
+        a = (p.angle if band is None else p.angle[..., band]).double()
+        per_pos = a.nanmean(dim=(0, 2)).cpu()
+        seen = ~torch.isnan(per_pos)
+        pos = p.positions.cpu()
+        total[pos[seen]] += per_pos[seen]
+        count[pos[seen]] += 1
     return torch.arange(n), (total / count).float()
 
 
@@ -212,9 +335,11 @@ def next_token_dist(model: LoadedModel, cache: DynamicCache, probe: str) -> torc
 
 def kl_row(model: LoadedModel, probe: str, lp: torch.Tensor, lq: torch.Tensor) -> dict:
     """``KL(p || q)`` in nats of two ``[vocab]`` log-probability vectors, their top-1 tokens and whether they agree."""
+    # Not clamped at 0: a negative value is rounding, and a caller testing ``abs(kl) <= tol``
+    # should see it rather than a 0 that hides it.
     kl = float((lp.exp() * (lp - lq)).sum())
     t_ref, t = int(lp.argmax()), int(lq.argmax())
-    return {"probe": probe, "kl": max(kl, 0.0), "top1_ref": model.tokenizer.decode([t_ref]),
+    return {"probe": probe, "kl": kl, "top1_ref": model.tokenizer.decode([t_ref]),
             "top1": model.tokenizer.decode([t]), "agree": t_ref == t}
 
 

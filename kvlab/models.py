@@ -179,29 +179,47 @@ def converted_dir(name: str) -> Path | None:
     return folder if (folder / "kvlab-source.json").is_file() else None
 
 
-def _convert(spec: GGUFSpec, gguf: Path, sha: str, folder: Path) -> None:
-    """Dequantize the GGUF once and keep fp32 safetensors + tokenizer in ``folder``."""
+def _notice(text: str) -> None:
+    """A one-time notice: stderr on a terminal or in a script, stdout inside a Jupyter kernel.
+
+    In a kernel, stderr is stored as its own output and nbval counts it as a difference; on
+    stdout the line joins the cell's text, where ``notebooks/sanitize.cfg`` removes it, so a
+    notebook run on a cold cache still matches its stored outputs.
+    """
+    print(text, file=sys.stdout if "ipykernel" in sys.modules else sys.stderr, flush=True)
+
+
+def _convert(spec: GGUFSpec, gguf: Path, sha: str, folder: Path, step: Callable[[str], None] = lambda s: None) -> None:
+    """Dequantize the GGUF once and keep fp32 safetensors + tokenizer in ``folder``.
+
+    ``step`` is told the name of each stage as it starts (a progress bar's hook).
+    """
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}-"))
-    print(f"kvlab: converting {gguf.name} to fp32 safetensors in {folder} (once per file)", file=sys.stderr)
+    _notice(f"kvlab: converting {gguf.name} to fp32 safetensors in {folder} (once per file; "
+            f"`kvlab models --prepare` does this ahead of time)")
     try:
         # transformers' GGUF reader draws its own tqdm bar, which no logging switch turns off.
         with contextlib.redirect_stderr(io.StringIO()):
             model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        step("tokenizer")
+        with contextlib.redirect_stderr(io.StringIO()):
             tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         # The dequantized weights are plain fp32 now; the gguf quantization config would make
         # transformers treat the folder as still quantized.
         config = model.config
         if hasattr(config, "quantization_config"):
             del config.quantization_config
+        step("save weights")
         config.save_pretrained(tmp)
         save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         tokenizer.save_pretrained(tmp)
         # Serializing a large tokenizer for its digest takes 0.4 s (Gemma 3); do it once
         # here, on the tokenizer exactly as later loads will read it, not on every fingerprint.
+        step("tokenizer digest")
         from .identity import store_tokenizer_digest
 
         store_tokenizer_digest(tmp, AutoTokenizer.from_pretrained(tmp, local_files_only=True))
@@ -221,14 +239,70 @@ def _convert(spec: GGUFSpec, gguf: Path, sha: str, folder: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _load_gguf(spec: GGUFSpec, dtype: torch.dtype) -> LoadedModel:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+def _converted(spec: GGUFSpec, step: Callable[[str], None] = lambda s: None) -> Path:
+    """The conversion folder of a real model, converting its GGUF first if need be."""
+    step("locate GGUF")
     gguf = spec.locate(spec)
+    step("sha256")
     sha = _sha256_cached(gguf)
     folder = cache_root() / "models" / f"{spec.name}-{sha[:16]}"
     if not (folder / "kvlab-source.json").is_file():
-        _convert(spec, gguf, sha, folder)
+        step("dequantize")
+        _convert(spec, gguf, sha, folder, step)
+    return folder
+
+
+_PREPARE_STEPS = ["locate GGUF", "sha256", "dequantize", "tokenizer", "save weights", "tokenizer digest"]
+
+
+def prepare(names: list[str] | None = None, progress: bool | None = None) -> dict[str, Path]:
+    """Convert real models ahead of time, so no test, notebook or kernel pays for it.
+
+    Parameters
+    ----------
+    names : list of str, optional
+        Catalogue names of real (GGUF) models; default: every one whose package is installed.
+        A named model whose package is missing raises :class:`ModelError` with its install command.
+    progress : bool, optional
+        Draw a progress bar per model (default: only when stderr is a terminal).
+
+    Returns
+    -------
+    dict
+        name -> conversion folder.
+
+    Also builds matplotlib's font cache, which a first ``%matplotlib inline`` would
+    otherwise announce on stderr inside a notebook.
+    """
+    from tqdm.auto import tqdm
+
+    if names is None:
+        names = [n for n, spec in GGUF_MODELS.items() if importlib.util.find_spec(spec.module) is not None]
+    unknown = [n for n in names if n not in GGUF_MODELS]
+    if unknown:
+        raise ModelError(f"--prepare takes real models only ({', '.join(GGUF_MODELS)}); not: {', '.join(unknown)}")
+    if progress is None:
+        progress = sys.stderr.isatty()
+    import matplotlib.font_manager  # noqa: F401  (builds the font cache once, here)
+
+    done = {}
+    for name in names:
+        spec = GGUF_MODELS[name]
+        with tqdm(total=len(_PREPARE_STEPS), desc=name, disable=not progress, unit="step", leave=True) as bar:
+            def step(label: str, bar=bar) -> None:
+                bar.set_postfix_str(label)
+                bar.update(1)
+
+            with _quiet_transformers():
+                done[name] = _converted(spec, step)
+            bar.update(bar.total - bar.n)
+    return done
+
+
+def _load_gguf(spec: GGUFSpec, dtype: torch.dtype) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = _converted(spec)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)

@@ -43,7 +43,7 @@ def phase_vs_position(phases_by_strategy: dict[str, list[LayerPhase]], model_nam
     for ax, (band, sl) in zip(axes, bands.items()):
         for name, phases in phases_by_strategy.items():
             pos, err = phase_by_position(phases, layer_type=layer_type, band=sl)
-            ax.plot(pos.numpy(), np.maximum(err.numpy(), 1e-9), label=name, lw=1.2)
+            ax.plot(pos.numpy(), np.maximum(err.numpy(), 1e-9), label=name, lw=1.2)  # NaN (masked, not held) stays a gap
         _boundaries(ax, landings)
         ax.set_yscale("log")
         ax.set_title(f"{band}-frequency pairs ({sl.stop - sl.start} of {n_pairs})")
@@ -62,8 +62,9 @@ def phase_vs_position_head(phase: LayerPhase, head: int, title: str, landings: l
     """
     fig, ax = plt.subplots(figsize=(9, 3.4), constrained_layout=True)
     for band, sl in band_slices(phase.angle.shape[-1]).items():
-        err = phase.angle[head][:, sl].double().mean(-1).numpy()
-        ax.plot(phase.positions.numpy(), np.maximum(err, 1e-9), label=f"{band}-frequency pairs")
+        # Masked pairs are NaN; a position with every pair of the band masked stays a gap.
+        err = phase.angle[head][:, sl].double().nanmean(-1).cpu().numpy()
+        ax.plot(phase.positions.cpu().numpy(), np.maximum(err, 1e-9), label=f"{band}-frequency pairs")
     _boundaries(ax, landings)
     ax.set_yscale("log")
     ax.set_xlabel("position in merged cache (tokens)")

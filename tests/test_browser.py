@@ -7,7 +7,7 @@ the explorer, switches the strategy dropdown from naive to rerotate and reads th
 error off the rendered page. Screenshots go to test-artifacts/, and the explorer's picture to
 docs/explorer.png for the README.
 
-Skipped, with the reason, when Playwright or Chromium is missing (scripts/install-browser.sh
+Skipped, with the reason, when Playwright or Chromium is missing (in CI, CI=true, it fails instead) (scripts/install-browser.sh
 installs Chromium; `make test` runs it). Playwright's own browser download is never used.
 """
 from __future__ import annotations
@@ -27,6 +27,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from conftest import missing
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "04_merge_explorer.ipynb"
@@ -163,14 +165,14 @@ def _tail(path: Path, n: int = 40) -> str:
 
 @pytest.fixture
 def browser_page(tmp_path):
-    """A page in headless Debian Chromium, driven by Playwright; skipped when either is missing."""
+    """A page in headless Debian Chromium, driven by Playwright; skipped when either is missing (failed in CI)."""
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
-        pytest.skip("Playwright for Python is not installed (pip install playwright; its browser "
+        missing("Playwright for Python is not installed (pip install playwright; its browser "
                     "download is not needed: the test drives Debian's Chromium)")
     if not (os.path.isfile(CHROMIUM) and os.access(CHROMIUM, os.X_OK)):
-        pytest.skip(f"Chromium not found at {CHROMIUM} (run scripts/install-browser.sh, or apt-get install "
+        missing(f"Chromium not found at {CHROMIUM} (run scripts/install-browser.sh, or apt-get install "
                     "chromium chromium-driver; KVLAB_CHROMIUM names another binary)")
     with sync_playwright() as pw:
         context = pw.chromium.launch_persistent_context(

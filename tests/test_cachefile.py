@@ -126,11 +126,21 @@ def test_loaded_fragments_merge_and_continue_exactly(tmp_path, gemma):
                        kvlab.merge([a, b], "reprefill", gemma).layers[3].keys)
 
 
-def test_loaded_cache_is_not_aliased_by_the_next_forward(saved, llama):
-    back = load_cache(saved, llama)
-    before = back.cache.layers[0].keys.clone()
-    next_token_dist(llama, back.cache, " more")  # clones the cache before its forward
-    assert torch.equal(back.cache.layers[0].keys, before)
+def test_loaded_cache_is_not_aliased_by_the_next_forward(saved, llama, frag):
+    # Two loads of one file must not share storage (with each other, a memory map of the file,
+    # or the fragment that was saved): a forward grows the cache it is given, and an in-place
+    # edit of one copy must reach no other.
+    a, b = load_cache(saved, llama), load_cache(saved, llama)
+    ids = kvlab.tokenize(llama, " more")[None]
+    with torch.inference_mode():
+        llama.model(input_ids=ids, position_ids=torch.arange(frag.length, frag.length + ids.shape[-1])[None],
+                    cache=a.cache, use_cache=True)
+        for layer in a.cache.layers:
+            layer.keys.add_(1.0)
+            layer.values.mul_(-1.0)
+    assert a.cache.get_seq_length() == frag.length + ids.shape[-1]
+    assert_same_cache(frag.cache, b.cache)
+    assert_same_cache(frag.cache, load_cache(saved, llama).cache)
 
 
 def test_file_is_plain_safetensors(saved, frag):

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
+from pathlib import Path
 
 import pytest
 
@@ -109,3 +111,43 @@ def test_two_first_loads_at_once_share_one_intact_cache(tmp_path):
     folders = list((tmp_path / "models").iterdir())
     assert [f.name for f in folders if not f.name.startswith(".")] == [os.path.basename(outs[0]["folder"])]
     assert not [f for f in folders if f.name.startswith(".")], "temporary folders left behind"
+
+
+def test_prepare_is_a_no_op_on_a_prepared_cache_and_refuses_unknown_names():
+    # `make test` ran `kvlab models --prepare` on an empty $KVLAB_CACHE (CI makes it empty), so
+    # the conversion itself is exercised there; here a second prepare must not convert again.
+    run = subprocess.run([sys.executable, "-m", "kvlab.cli", "models", "--prepare", "smollm2-135m"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    assert "smollm2-135m: ready in" in run.stdout and "converting" not in run.stderr + run.stdout
+    bad = subprocess.run([sys.executable, "-m", "kvlab.cli", "models", "--prepare", "tiny-llama"],
+                         capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "--prepare takes real models only" in bad.stderr and "tiny-llama" in bad.stderr
+
+
+def test_conversion_notice_goes_to_stdout_only_inside_a_kernel(monkeypatch, capsys):
+    from kvlab import models
+
+    monkeypatch.delitem(sys.modules, "ipykernel", raising=False)
+    models._notice("kvlab: converting x")
+    out, err = capsys.readouterr()
+    assert (out, err) == ("", "kvlab: converting x\n")
+    monkeypatch.setitem(sys.modules, "ipykernel", types.ModuleType("ipykernel"))
+    models._notice("kvlab: converting x")
+    out, err = capsys.readouterr()
+    assert (out, err) == ("kvlab: converting x\n", "")
+
+
+def test_sanitize_file_removes_the_conversion_notice_from_a_cell():
+    # nbval applies notebooks/sanitize.cfg to stored and fresh outputs alike; the notice must
+    # vanish from a fresh cell's text so a cold-cache run matches the stored one.
+    import re
+
+    from nbval.plugin import get_sanitize_patterns
+
+    patterns = get_sanitize_patterns((Path(__file__).resolve().parents[1] / "notebooks" / "sanitize.cfg").read_text())
+    text = ("kvlab: converting SmolLM2.gguf to fp32 safetensors in /tmp/x (once per file; `kvlab models --prepare` "
+            "does this ahead of time)\nmodel smollm2-135m: 30 layers, dtype torch.float32\n")
+    for regex, replace in patterns:
+        text = re.sub(regex, replace, text)
+    assert text == "model smollm2-135m: 30 layers, dtype torch.float32\n"

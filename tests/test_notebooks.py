@@ -39,7 +39,8 @@ OTHER_PARAMS = {
     "02_kv_heatmaps": {"texts": TEXTS, "layer": 2},
     "03_fingerprint_kl": {"text": TEXTS[0], "probes": [" and", " so"], "finetune_steps": 2, "other_model": "tiny-llama"},
     "04_merge_explorer": {"texts": TEXTS, "probes": [" and"]},
-    "05_fidelity_vs_cost": {"passages": TEXTS[:3], "questions": [" and", " so"], "ratios": [0.1, 0.5], "greedy_tokens": 2},
+    "05_fidelity_vs_cost": {"passages": TEXTS[:3], "questions": [" and", " so"], "ratios": [0.1, 0.5], "greedy_tokens": 2,
+                            "timing_repeats": 2},
 }
 
 
@@ -54,6 +55,39 @@ def test_parameters_flow_through_papermill(name, tmp_path):
     assert "model tiny-gemma3: 4 layers" in text
     assert "tiny-gemma3" in finding(out)
     assert "smollm2" not in finding(out)
+
+
+# Every notebook on the second real model, with parameters small enough for CI: Gemma 3 has
+# what SmolLM2 lacks (sliding-window layers with another rope base, k_norm, zero-norm rotary
+# pairs), and a notebook the README says works on a model is run on that model here.
+GEMMA_PARAMS = {
+    "00_memos_defects": {"turns": 2, "answer_tokens": 4},
+    "01_phase_error": {},
+    "02_kv_heatmaps": {},
+    "03_fingerprint_kl": {"finetune_steps": 2},
+    "04_merge_explorer": {},
+    "05_fidelity_vs_cost": {"ratios": [0.15, 0.5], "greedy_tokens": 4, "timing_repeats": 2,
+                            "questions": ["\nQuestion: Which ship brought rolls for the paper mill, and from which city? Answer:",
+                                          "\nQuestion: Who ordered the machines that still stand in the museum? Answer:"]},
+}
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("name", sorted(GEMMA_PARAMS))
+def test_every_notebook_runs_on_gemma3(name, tmp_path):
+    from conftest import GEMMA_MISSING, GEMMA_REASON, missing
+
+    if GEMMA_MISSING:
+        missing(GEMMA_REASON)
+    assert set(GEMMA_PARAMS) == set(notebooks())
+    out = tmp_path / f"{name}.ipynb"
+    pm.execute_notebook(str(NB / f"{name}.ipynb"), str(out), parameters=dict(GEMMA_PARAMS[name], model_name="gemma3-270m"),
+                        progress_bar=False, cwd=str(NB), kernel_name="python3")
+    assert "model gemma3-270m: 18 layers" in out.read_text()
+    assert "gemma3-270m" in finding(out)
+    for cell in json.loads(out.read_text())["cells"]:
+        for o in cell.get("outputs", []):
+            assert o.get("name") != "stderr", f"{name} on gemma3-270m wrote to stderr: {''.join(o.get('text', ''))[:300]}"
 
 
 def test_report_refuses_unknown_notebooks_and_parameters_before_running():

@@ -75,8 +75,26 @@ def test_two_bases_per_layer_type_are_used():
 
 
 def test_yarn_scale_applied_once():
-    rope = layer_ropes(tiny("tiny-yarn").model)[0]
-    assert rope.attention_scaling > 1.05  # so a doubled scale would be visible above tolerance
+    # YaRN multiplies cos and sin by attention_scaling, so every cached key already carries the
+    # scale once; rerotate must turn keys with the unscaled rotation.
+    m = tiny("tiny-yarn")
+    s = layer_ropes(m.model)[0].attention_scaling
+    assert s > 1.05  # so a doubled scale would be visible far above the tolerances below
+    frags = [kvlab.prefill(m, t) for t in TEXTS]
+    ref = phase_reference(m, frags)  # each fragment prefilled at its landing positions
+    merged = kvlab.merge(frags, "rerotate", m)
+    assert rel_max_layer_error(merged, ref) < 5e-6
+    n1 = frags[0].length
+    for li, rope in enumerate(layer_ropes(m.model)):
+        k, kr = merged.layers[li].keys[..., n1:, :], ref.layers[li].keys[..., n1:, :]
+        # Norms of the moved keys equal the reference's (scale once) ...
+        assert torch.allclose(k.norm(dim=-1), kr.norm(dim=-1), rtol=1e-5, atol=0)
+        # ... and a rotation by the scaled tables (the scale applied twice) is off by the factor s.
+        twice = rotate_keys(frags[1].cache.layers[li].keys, rope.inv_freq, n1)
+        r = rope.rotary_dim
+        twice[..., :r] *= s
+        ratio = twice[..., :r].norm(dim=-1) / kr[..., : frags[1].length, :r].norm(dim=-1)
+        assert torch.allclose(ratio, torch.full_like(ratio, s), rtol=1e-4)
 
 
 def test_partial_rotary_passes_other_dims_through_bit_for_bit():
