@@ -28,3 +28,8 @@ __all__ += [
     "CacheFileError", "FingerprintMismatch", "STRICT_FIELDS", "Difference", "fingerprint",
     "CacheFileWarning", "load_cache", "read_header", "save_cache", "verify_file", "VARIANT_KINDS", "MismatchResult", "mismatch_kl", "variants",
 ]
+
+# Findings as data in executed notebooks (issue 13).
+from .records import RecordError, read_records, record
+
+__all__ += ["RecordError", "read_records", "record"]
