@@ -33,3 +33,8 @@ __all__ += [
 from .records import RecordError, read_records, record
 
 __all__ += ["RecordError", "read_records", "record"]
+
+# Parameter sweeps on Dask (issue 13); the runner lives in kvlab.sweep.
+from .sweep.study import StudyError, load_study
+
+__all__ += ["StudyError", "load_study"]
