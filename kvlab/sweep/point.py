@@ -148,6 +148,15 @@ def _json_ready(records: list[dict]) -> list[dict]:
             for r in records]
 
 
+def _worker_address() -> str:
+    try:
+        from distributed import get_worker
+
+        return get_worker().address
+    except (ImportError, ValueError):  # called outside a Dask worker
+        return f"{os.uname().nodename} pid {os.getpid()}"
+
+
 def run_point(task: dict) -> dict:
     """Execute one point (``task`` as built by the sweep) and return the record it wrote."""
     from ..records import read_records
@@ -186,7 +195,7 @@ def run_point(task: dict) -> dict:
         "wall_s": round(wall, 3),
         "status": status,
         "error": error,
-        "worker": os.uname().nodename,
+        "worker": _worker_address(),
     }
     write_json(folder / "record.json", rec)
     return rec
