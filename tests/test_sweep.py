@@ -218,3 +218,9 @@ def test_unknown_notebook_names_the_suite(tmp_path):
     path.write_text('notebook = "01_phase_error"\n[grid]\nn_fragments = [3, 4]\n')
     study = load_study(path)  # a suite name resolves to notebooks/
     assert study.notebook.name == "01_phase_error.ipynb" and len(study.points) == 2
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[1] / "studies").glob("*.toml")), ids=lambda p: p.stem)
+def test_shipped_studies_check_against_their_notebooks(path):
+    study = load_study(path)
+    assert len(study.points) >= 2 and study.notebook.parent.name == "notebooks" and study.axes
