@@ -20,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-from .files import write_atomic, write_json
+from .files import read_json, write_atomic, write_json
 
 RECORD_FORMAT = "kvlab-sweep-point-v1"
 _DIGESTS: dict[str, tuple[str | None, str | None]] = {}
@@ -161,11 +161,21 @@ def run_point(task: dict) -> dict:
     """Execute one point (``task`` as built by the sweep) and return the record it wrote."""
     from ..records import read_records
 
+    import logging
+
+    # papermill logs a killed kernel as an error; the point's record carries it instead.
+    logging.getLogger("papermill").setLevel(logging.CRITICAL)
     folder = Path(task["folder"])
     folder.mkdir(parents=True, exist_ok=True)
-    # A rerun replaces the old outputs; an old record must not outlive them.
-    for old in ("record.json", "notebook.ipynb", "notebook.html", "kernel-stderr.txt"):
-        (folder / old).unlink(missing_ok=True)
+    old = read_json(folder / "record.json")
+    if old is not None and old.get("run_id") == task["run_id"] and old.get("parameters") == task["parameters"]:
+        # Dask recomputes a finished task whose result was lost with its worker; this sweep
+        # already has the point, so hand back its record instead of running it again.
+        return old
+    # A rerun replaces the outputs; until its record is written, the point counts as not done.
+    (folder / "record.json").unlink(missing_ok=True)
+    for tmp in folder.glob(".*.tmp*"):  # left by a run that was killed
+        tmp.unlink(missing_ok=True)
     t0 = time.perf_counter()
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     status, error = execute(task, folder)
@@ -182,6 +192,7 @@ def run_point(task: dict) -> dict:
     rec = {
         "format": RECORD_FORMAT,
         "point": task["point"],
+        "run_id": task["run_id"],
         "parameters": task["parameters"],
         "repeat": task["repeat"],
         "code": task["code"],

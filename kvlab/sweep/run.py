@@ -15,6 +15,7 @@ import logging
 import os
 import subprocess
 import sys
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -99,6 +100,7 @@ def plan(study: Study, out: Path, force: bool = False) -> tuple[list[dict], list
         except (ValueError, SyntaxError):
             default_model = None
     todo, done = [], []
+    run_id = uuid.uuid4().hex
     for p in study.points:
         folder = point_folder(out, p)
         old = read_json(folder / "record.json")
@@ -106,7 +108,7 @@ def plan(study: Study, out: Path, force: bool = False) -> tuple[list[dict], list
                 and old.get("parameters") == p.parameters and old.get("repeat") == p.repeat and old.get("code") == code):
             done.append(old)
             continue
-        todo.append({"point": p.folder_name, "index": p.index, "folder": str(folder.resolve()),
+        todo.append({"point": p.folder_name, "run_id": run_id, "index": p.index, "folder": str(folder.resolve()),
                      "notebook": str(study.notebook), "parameters": p.parameters, "repeat": p.repeat,
                      "timeout": study.timeout, "code": code, "default_model": default_model})
     return todo, done
@@ -144,7 +146,7 @@ def _client(scheduler: str | None, workers: int | None, n_points: int):
 def _lost_record(task: dict, error: str) -> dict:
     from .point import versions
 
-    return {"format": RECORD_FORMAT, "point": task["point"], "parameters": task["parameters"],
+    return {"format": RECORD_FORMAT, "point": task["point"], "run_id": task["run_id"], "parameters": task["parameters"],
             "repeat": task["repeat"], "code": task["code"], "notebook": task["notebook"], "records": [],
             "model_name": task["parameters"].get("model_name", task.get("default_model")),
             "model_weights_sha256": None, "model_digest_error": "not computed: the worker was lost",
@@ -179,7 +181,7 @@ def run_study(study: Study, *, scheduler: str | None = None, workers: int | None
         show = sys.stderr.isatty() if progress is None else progress
         bar = tqdm(total=len(study.points), initial=len(done), desc="points", unit="pt", disable=not show)
         with _client(scheduler, workers, len(todo)) as client:
-            futures = {client.submit(run_point, t, key=f"kvlab-point-{t['point']}-{os.getpid()}", pure=False): t
+            futures = {client.submit(run_point, t, key=f"kvlab-point-{t['point']}-{t['run_id'][:8]}", pure=False): t
                        for t in todo}
             try:
                 for fut in as_completed(futures):
@@ -189,6 +191,9 @@ def run_study(study: Study, *, scheduler: str | None = None, workers: int | None
                     except Exception as e:  # noqa: BLE001  KilledWorker, lost connections, ...
                         rec = _lost_record(task, f"worker lost: {type(e).__name__}: {e}")
                         write_json(Path(task["folder"]) / "record.json", rec)
+                    # Let the scheduler forget the result: a worker that dies later must not
+                    # make Dask recompute a point that is already on disk.
+                    fut.release()
                     result.records.append(rec)
                     result.ran += 1
                     bar.update(1)
