@@ -220,6 +220,19 @@ def test_bad_studies_are_refused_naming_the_key_and_nothing_runs(tmp_path, capsy
     assert not (tmp_path / "out").exists()
 
 
+def test_grid_zip_and_repeats_expand_into_distinct_points(tmp_path):
+    path = write_study(tmp_path, 'repeats = 2\n[parameters]\nscale = 2\n[grid]\noffset = [4, 8]\n'
+                                 '[zip]\nfail = [false, true]\nsleep_s = [0, 1]\n')
+    study = load_study(path)
+    assert study.axes == ["offset", "fail", "sleep_s", "repeat"]
+    combos = [(p.parameters["offset"], p.parameters["fail"], p.parameters["sleep_s"], p.repeat) for p in study.points]
+    assert combos == [(o, f, s, r) for o in (4, 8) for f, s in ((False, 0), (True, 1)) for r in (0, 1)]
+    assert all(p.parameters["scale"] == 2 for p in study.points)  # an int where the default is a float
+    assert len({p.folder_name for p in study.points}) == 8
+    # The same study read again names its points the same (resume depends on it).
+    assert [p.folder_name for p in load_study(path).points] == [p.folder_name for p in study.points]
+
+
 def test_unknown_notebook_names_the_suite(tmp_path):
     path = tmp_path / "s.toml"
     path.write_text('notebook = "01_phase_eror"\n[grid]\nseed = [0]\n')

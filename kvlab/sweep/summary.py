@@ -99,7 +99,7 @@ def _plot(path: Path, metric: str, unit: str, axis: str, others: list[str], poin
     if not numeric:
         ax.set_xticks(range(len(labels)), [l[:18] for l in labels], rotation=20, ha="right")
     ax.set_xlabel(axis)
-    ax.set_ylabel(f"{metric} ({unit})" if unit else metric)
+    ax.set_ylabel(f"{metric} ({unit})" if unit else f"{metric} (no unit)")
     ax.set_title(f"{metric} vs {axis}" + (" (bars: CI)" if any(m["ci_low"] is not None for _, m in points) else ""))
     if 1 < len(series) <= 8:
         ax.legend(fontsize=7)
