@@ -149,7 +149,7 @@ def _lost_record(task: dict, error: str) -> dict:
     return {"format": RECORD_FORMAT, "point": task["point"], "run_id": task["run_id"], "parameters": task["parameters"],
             "repeat": task["repeat"], "code": task["code"], "notebook": task["notebook"], "records": [],
             "model_name": task["parameters"].get("model_name", task.get("default_model")),
-            "model_weights_sha256": None, "model_digest_error": "not computed: the worker was lost",
+            "model_weights_sha256": None, "model_digest_error": "not computed: the point did not finish",
             "versions": versions(), "started": None, "wall_s": None, "status": "failed", "error": error,
             "worker": None}
 
@@ -177,6 +177,8 @@ def run_study(study: Study, *, scheduler: str | None = None, workers: int | None
     if todo:
         _quiet_dask_logs()
         from distributed import as_completed
+        from distributed.comm import CommClosedError
+        from distributed.scheduler import KilledWorker
 
         show = sys.stderr.isatty() if progress is None else progress
         bar = tqdm(total=len(study.points), initial=len(done), desc="points", unit="pt", disable=not show)
@@ -188,8 +190,10 @@ def run_study(study: Study, *, scheduler: str | None = None, workers: int | None
                     task = futures[fut]
                     try:
                         rec = fut.result()
-                    except Exception as e:  # noqa: BLE001  KilledWorker, lost connections, ...
-                        rec = _lost_record(task, f"worker lost: {type(e).__name__}: {e}")
+                    except Exception as e:  # noqa: BLE001  the point is failed, the others go on
+                        lost = isinstance(e, (KilledWorker, CommClosedError, OSError))
+                        why = "worker lost" if lost else "the point's runner raised"
+                        rec = _lost_record(task, f"{why}: {type(e).__name__}: {e}")
                         write_json(Path(task["folder"]) / "record.json", rec)
                     # Let the scheduler forget the result: a worker that dies later must not
                     # make Dask recompute a point that is already on disk.
