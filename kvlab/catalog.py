@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 
-from .models import GGUF_MODELS, _quiet_transformers, converted_dir
+from .models import GGUF_MODELS, quiet_transformers, converted_dir
 from .rope import layer_types
 from .tiny import TINY_CONFIGS
 
@@ -41,7 +41,7 @@ def model_rows() -> list[dict]:
         else:
             rows.append({"name": name, "family": spec.family, "layers": "?", "kv_heads": "?", "head_dim": "?",
                          "rope": f"(not converted yet; needs {spec.package})", "cached": "no"})
-    with _quiet_transformers():
+    with quiet_transformers():
         for name, (_, factory) in TINY_CONFIGS.items():
             rows.append(_row(name, factory(), "built"))
     return rows

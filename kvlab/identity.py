@@ -72,7 +72,11 @@ from pathlib import Path
 
 import torch
 
-FINGERPRINT_VERSION = 1
+from .digests import (FINGERPRINT_VERSION, TOKENIZER_FILES, is_hex64, read_folder_cache, store_tokenizer_digest,
+                      tokenizer_digest, tokenizer_files_stat, tokenizer_signature, write_folder_cache)
+from .digests import canonical_json as _canonical
+from .fragments import new_cache
+from .rope import layer_ropes
 
 #: Fields whose difference refuses a cache file (see the module docstring for why).
 STRICT_FIELDS = (
@@ -105,7 +109,6 @@ VOLATILE_CONFIG_KEYS = frozenset({
 })
 
 _MISSING = object()
-_HEX = frozenset("0123456789abcdef")
 
 
 # --------------------------------------------------------------------------- hashing
@@ -157,10 +160,6 @@ def tensor_bytes(t: torch.Tensor):
     return t.view(torch.uint8).numpy()
 
 
-def _canonical(obj) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=str)
-
-
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -182,44 +181,6 @@ def _strip_config(obj):
     return obj
 
 
-def _special_ids(tokenizer) -> dict:
-    return {k: getattr(tokenizer, f"{k}_token_id", None) for k in ("bos", "eos", "pad", "unk")}
-
-
-def _tokenizer_signature(tokenizer) -> str:
-    # Cheap facts that change whenever tokens are added or special tokens reassigned; they
-    # guard the remembered digest, they are not the digest.
-    import tokenizers
-
-    return _canonical({"class": type(tokenizer).__name__, "len": len(tokenizer), "special": _special_ids(tokenizer),
-                       "tokenizers": tokenizers.__version__})
-
-
-def tokenizer_digest(tokenizer) -> str:
-    """sha256 of the full tokenizer (vocabulary, merges, normalizer, added tokens) and its special ids."""
-    h = hashlib.sha256(b"kvlab-tokenizer-v1\n")
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        trunc, pad = backend.truncation, backend.padding
-        # Truncation and padding are call-time settings that HF leaves on the backend;
-        # they do not change which ids a text maps to.
-        try:
-            if trunc is not None:
-                backend.no_truncation()
-            if pad is not None:
-                backend.no_padding()
-            h.update(backend.to_str().encode("utf-8", "surrogatepass"))
-        finally:
-            if trunc is not None:
-                backend.enable_truncation(**trunc)
-            if pad is not None:
-                backend.enable_padding(**pad)
-    else:
-        h.update(_canonical(sorted(tokenizer.get_vocab().items())).encode())
-    h.update(_canonical(_special_ids(tokenizer)).encode())
-    return h.hexdigest()
-
-
 _GEOMETRY_MEMO: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[str, dict]]" = weakref.WeakKeyDictionary()
 
 
@@ -236,9 +197,6 @@ def cache_geometry(model) -> dict:
         rotary_dim, attention scaling and the config's rope parameters (``None`` for a
         model without rotary embeddings).
     """
-    from .fragments import new_cache
-    from .rope import layer_ropes
-
     config = model.config.get_text_config()
     layers = new_cache(model.config).layers
     types = ["sliding_attention" if layer.is_sliding else "full_attention" for layer in layers]
@@ -341,61 +299,9 @@ def _model_folder(model) -> Path | None:
     return Path(folder)
 
 
-def _read_folder_cache(path: Path | None) -> dict:
-    if path is None:
-        return {}
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) and data.get("version") == FINGERPRINT_VERSION else {}
-
-
-def _write_folder_cache(path: Path | None, update: dict) -> None:
-    if path is None:
-        return
-    from .models import _atomic_write_text
-
-    data = _read_folder_cache(path)
-    data.update(update, version=FINGERPRINT_VERSION)
-    try:
-        _atomic_write_text(path, json.dumps(data, indent=1, sort_keys=True))
-    except OSError:
-        pass  # a read-only cache folder only costs a recomputation next time
-
-
-#: Files a Hugging Face tokenizer folder may hold; their size and mtime guard the kept digest.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja")
-
-
-def _tokenizer_files_stat(folder: Path) -> dict:
-    out = {}
-    for name in TOKENIZER_FILES:
-        try:
-            st = (folder / name).stat()
-        except OSError:
-            continue
-        out[name] = [st.st_size, st.st_mtime_ns]
-    return out
-
-
-def store_tokenizer_digest(folder, tokenizer) -> str:
-    """Hash ``tokenizer`` (loaded from ``folder``) and keep the digest in that folder.
-
-    kvlab calls this once, when it converts a GGUF, so that later fingerprints of the
-    model read the digest instead of serializing the tokenizer again.
-    """
-    folder = Path(folder)
-    digest = tokenizer_digest(tokenizer)
-    entry = {"signature": _tokenizer_signature(tokenizer), "sha256": digest, "files": _tokenizer_files_stat(folder)}
-    _write_folder_cache(folder / "fingerprint-tokenizer.json", {"tokenizer": entry})
-    return digest
-
-
 def _tokenizer_digest_cached(model, recompute: bool) -> str:
     tok = model.tokenizer
-    sig = _tokenizer_signature(tok)
+    sig = tokenizer_signature(tok)
     memo = _TOKENIZER_MEMO.get(tok)
     if memo is not None and memo[0] == sig and not recompute:
         return memo[1]
@@ -403,9 +309,9 @@ def _tokenizer_digest_cached(model, recompute: bool) -> str:
     if folder is None:
         digest = tokenizer_digest(tok)
     else:
-        entry = _read_folder_cache(folder / "fingerprint-tokenizer.json").get("tokenizer", {})
-        if (not recompute and entry.get("signature") == sig and _is_hex64(entry.get("sha256"))
-                and entry.get("files") == _tokenizer_files_stat(folder)):
+        entry = read_folder_cache(folder / "fingerprint-tokenizer.json").get("tokenizer", {})
+        if (not recompute and entry.get("signature") == sig and is_hex64(entry.get("sha256"))
+                and entry.get("files") == tokenizer_files_stat(folder)):
             digest = entry["sha256"]
         else:
             digest = store_tokenizer_digest(folder, tok)
@@ -425,9 +331,9 @@ def _weights_digest_cached(model, recompute: bool) -> str:
     # from_pretrained leaves every version counter at 0; any in-place edit since loading
     # bumps one, and then the folder's digest (of the weights as converted) cannot be trusted.
     pristine = all(t._version == 0 for t in state.values())
-    entry = _read_folder_cache(path).get("weights", {}) if pristine else {}
+    entry = read_folder_cache(path).get("weights", {}) if pristine else {}
     digest = None
-    if entry and not recompute and _is_hex64(entry.get("sha256")):
+    if entry and not recompute and is_hex64(entry.get("sha256")):
         if entry.get("sample_sha256") == _sample_digest(state):
             digest = entry["sha256"]
     if digest is None:
@@ -435,13 +341,9 @@ def _weights_digest_cached(model, recompute: bool) -> str:
         # Only a first entry is written: a model whose samples disagree with an existing
         # entry is not the converted one, and must not overwrite its digest.
         if pristine and not entry:
-            _write_folder_cache(path, {"weights": {"sha256": digest, "sample_sha256": _sample_digest(state)}})
+            write_folder_cache(path, {"weights": {"sha256": digest, "sample_sha256": _sample_digest(state)}})
     _WEIGHTS_MEMO[module] = (sig, digest)
     return digest
-
-
-def _is_hex64(s) -> bool:
-    return isinstance(s, str) and len(s) == 64 and set(s) <= _HEX
 
 
 # --------------------------------------------------------------------------- public
@@ -529,7 +431,7 @@ def show(value, limit: int = 160) -> str:
         return "(absent)"
     if value is None:
         return "none"
-    if _is_hex64(value):
+    if is_hex64(value):
         return value[:16] + "…"
     if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
         runs: list[list] = []

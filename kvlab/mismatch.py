@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .cachefile import CacheFileWarning, _load, save_cache
+from .cachefile import CacheFileWarning, load_with_differences, save_cache
 from .errors import KvlabError, MergeError
 from .identity import Difference
 from .fragments import Fragment, clone_cache, prefill, prefill_ids, source_ids
@@ -226,7 +226,7 @@ def mismatch_kl(cache_file_or_fragment, reader: LoadedModel, probes=DEFAULT_PROB
     else:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", CacheFileWarning)
-            foreign, differences = _load(cache_file_or_fragment, reader, strict=False, allow_unverified=True)
+            foreign, differences = load_with_differences(cache_file_or_fragment, reader, strict=False, allow_unverified=True)
         theirs = foreign.cache
     if foreign.start != 0:
         raise MergeError(f"mismatch_kl reads probes right behind the cache, so it must start at position 0, "

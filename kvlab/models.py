@@ -21,6 +21,8 @@ from typing import Callable
 
 import torch
 
+from .atomic import atomic_write_text
+from .digests import store_tokenizer_digest
 from .errors import ModelError
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -148,22 +150,8 @@ def _sha256_cached(path: Path) -> str:
         return index[key]
     digest = _sha256_file(path)
     index[key] = digest
-    _atomic_write_text(index_path, json.dumps(index, indent=1, sort_keys=True))
+    atomic_write_text(index_path, json.dumps(index, indent=1, sort_keys=True))
     return digest
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def converted_dir(name: str) -> Path | None:
@@ -220,8 +208,6 @@ def _convert(spec: GGUFSpec, gguf: Path, sha: str, folder: Path, step: Callable[
         # Serializing a large tokenizer for its digest takes 0.4 s (Gemma 3); do it once
         # here, on the tokenizer exactly as later loads will read it, not on every fingerprint.
         step("tokenizer digest")
-        from .identity import store_tokenizer_digest
-
         store_tokenizer_digest(tmp, AutoTokenizer.from_pretrained(tmp, local_files_only=True))
         meta = {"name": spec.name, "package": spec.package, "gguf_file": spec.filename,
                 "gguf_sha256": sha, "quantization": spec.quantization}
@@ -325,6 +311,9 @@ def _quiet_transformers():
         tf_logging.set_verbosity(level)
         if bars:
             tf_logging.enable_progress_bar()
+
+
+quiet_transformers = _quiet_transformers  # the public name, for kvlab.catalog
 
 
 def load_model(name: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32) -> LoadedModel:

@@ -486,11 +486,9 @@ def test_a_safetensors_header_length_starting_with_0x80_is_not_a_pickle(tmp_path
     # A header of 0x10280 bytes starts the file with 80 02: what a protocol-2 pickle starts with.
     header, tensors = cf._describe(frag, fingerprint(llama))
     header.update(text="", tensors={n: "0" * 32 for n, _ in tensors}, content_digest="0" * 32)
-    entries, at = [], 0
-    for name, t in tensors:
-        entries.append((name, "F32", list(t.shape), at, at + t.numel() * t.element_size()))
-        at += t.numel() * t.element_size()
-    unpadded = len(cf._encode(entries, cf._kvlab_meta(header))[8:].rstrip(b" "))
+    probe = tmp_path / "probe.kvcache"
+    cf._write_file(probe, tensors, header, fill_digests=False)  # same header length as with the real digests
+    unpadded = len(probe.read_bytes()[8 : header_end(probe.read_bytes())].rstrip(b" "))
     target = next(t for t in (0x280, 0x380, 0x480, 0x580, 0x10280) if t >= unpadded)
     header["text"] = "y" * (target - unpadded)  # one byte per character, inner and outer JSON alike
     path = tmp_path / "p.kvcache"
