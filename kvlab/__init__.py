@@ -5,6 +5,7 @@ from .fragments import (Fragment, clone_cache, joined_prefill, new_cache, prefil
                         set_length, tokenize)
 from .strategies import STRATEGIES, Strategy, register, strategy_names
 from .merge import landing_positions, merge
+from .case import Case
 from .fidelity import Fidelity, FidelityReference, fidelity, merge_seconds
 from . import recompute  # noqa: F401  (registers the "recompute" strategy)
 from .rope import layer_ropes, rotate_keys
@@ -16,6 +17,7 @@ __all__ = [
     "set_length", "tokenize",
     "STRATEGIES", "Strategy", "register", "strategy_names",
     "landing_positions", "merge", "layer_ropes", "rotate_keys", "Fidelity", "FidelityReference", "fidelity", "merge_seconds",
+    "Case",
 ]
 
 # Producer identity of cache files (issue 3).

@@ -3,24 +3,12 @@ from __future__ import annotations
 
 import time
 
+from .case import DEFAULT_PROBES, DEFAULT_TEXTS, Case
 from .errors import KvlabError
 from .merge import merge
-from .metrics import kv_diff, max_diff, next_token_dist, next_token_kl, setup
+from .metrics import kv_diff, max_diff, next_token_kl
 from .models import LoadedModel
 from .strategies import strategy_names
-
-DEFAULT_TEXTS = [
-    "The lighthouse keeper on Skerry Island logged every passing ship in a blue ledger, "
-    "and in the winter of 1911 he counted forty-two of them.",
-    " His daughter Maren later moved the ledger to the harbour museum in Bergen, where it "
-    "is kept in a glass case beside the old lamp.",
-]
-DEFAULT_PROBES = [
-    " The ledger is now kept in the city of",
-    " The keeper counted ships in a ledger that was coloured",
-    " Maren was the keeper's",
-]
-
 
 def check_rows(model: LoadedModel, texts: list[str] | None = None, probes: list[str] | None = None) -> list[dict]:
     """One row per registered strategy: phase and context error, length and next-token KL.
@@ -29,11 +17,9 @@ def check_rows(model: LoadedModel, texts: list[str] | None = None, probes: list[
     ``max_v_phase`` = same for V; ``seq_len``; ``kl_mean``/``kl_max`` (nats) and
     ``top1_agree`` of the next token after each probe, against the joined prefill.
     """
-    texts = texts or DEFAULT_TEXTS
-    probes = probes or DEFAULT_PROBES
-    ref = setup(model, texts)
-    frags, phase_ref, joined = ref.fragments, ref.phase, ref.context
-    joined_dists = [next_token_dist(model, joined, p) for p in probes]  # read once, compared with every strategy
+    case = Case.from_texts(model, texts or DEFAULT_TEXTS, probes or DEFAULT_PROBES)
+    frags, phase_ref, joined, probes = case.fragments, case.phase, case.context, case.probes
+    joined_dists = case.context_dists  # read once, compared with every strategy
     rows = []
     for name in strategy_names():
         t0 = time.perf_counter()

@@ -14,11 +14,10 @@ import io
 import ipywidgets as W
 import matplotlib.pyplot as plt
 
-from .check import DEFAULT_PROBES, DEFAULT_TEXTS
+from .case import DEFAULT_PROBES, DEFAULT_TEXTS, Case
 from .errors import KvlabError
-from .merge import landing_positions, merge
-from .metrics import (kv_diff, max_phase_error, next_token_dist, next_token_kl, phase_beyond_rounding, phase_error,
-                      setup, weighted_phase_error)
+from .merge import merge
+from .metrics import kv_diff, max_phase_error, next_token_kl, phase_beyond_rounding, phase_error, weighted_phase_error
 from .models import DEFAULT_MODEL, LoadedModel, load_model
 from .plots import kv_heatmap, phase_vs_position_head
 from .strategies import STRATEGIES, strategy_names
@@ -99,10 +98,10 @@ class MergeExplorer:
             self._key = key
             # No render of the old model's merge while the sliders' ranges change below.
             self.merged = None
-            ref = setup(m, [t.value for t in self.texts])
-            self.frags, self.phase_ref, self.joined = ref.fragments, ref.phase, ref.context
-            self.joined_dists = [next_token_dist(m, self.joined, p) for p in self.probes]
-            self.landings = landing_positions(self.frags)
+            self.case = Case.from_texts(m, [t.value for t in self.texts], self.probes)
+            self.frags, self.phase_ref, self.joined = self.case.fragments, self.case.phase, self.case.context
+            self.joined_dists = self.case.context_dists
+            self.landings = self.case.landings
             # Lowering max clamps value (ipywidgets validates it).
             self.layer.max = len(self.phase_ref.layers) - 1
             self.head.max = self.phase_ref.layers[0].keys.shape[1] - 1

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from .case import Case, FidelityReference
 from .errors import MergeError
 from .fragments import Fragment
 from .merge import merge, resolve
@@ -76,32 +77,6 @@ def greedy_continuation(model: LoadedModel, cache: DynamicCache, probe: str, n: 
     return read_probe(model, cache, probe, n)[1]
 
 
-class FidelityReference:
-    """The joined prefill that :func:`fidelity` compares against, read once per probe.
-
-    Every :func:`fidelity` call reads each probe behind the reference (the next-token
-    distribution and a greedy continuation). Passing one ``FidelityReference`` to many
-    calls, as a sweep over strategies and ratios does, reads each probe once.
-
-    Parameters
-    ----------
-    model : LoadedModel
-    cache : DynamicCache
-        The joined prefill, keys/values ``[1, kv_heads, kept, head_dim]``; never modified.
-    """
-
-    def __init__(self, model: LoadedModel, cache: DynamicCache):
-        self.model, self.cache = model, cache
-        self._reads: dict = {}
-
-    def read(self, probe: str, greedy_tokens: int) -> tuple[torch.Tensor, list[int]]:
-        """:func:`kvlab.metrics.read_probe` of the reference, remembered."""
-        key = (probe, greedy_tokens)
-        if key not in self._reads:
-            self._reads[key] = read_probe(self.model, self.cache, probe, greedy_tokens)
-        return self._reads[key]
-
-
 def merge_seconds(model: LoadedModel, fragments: list[Fragment], strategy: str | Strategy, *, repeats: int = 5,
                   warmup: int = 1, **options) -> float:
     """Warm wall time of one merge: the median of ``repeats`` runs after ``warmup`` untimed ones.
@@ -124,7 +99,8 @@ def merge_seconds(model: LoadedModel, fragments: list[Fragment], strategy: str |
 
 
 def fidelity(model: LoadedModel, fragments: list[Fragment], merged: DynamicCache | str | Strategy = "rerotate", *,
-             probes: list[str], greedy_tokens: int = 16, reference: DynamicCache | FidelityReference | None = None,
+             probes: list[str], greedy_tokens: int = 16,
+             reference: DynamicCache | FidelityReference | Case | None = None,
              **options) -> Fidelity:
     """Measure a merged cache, or a strategy's merge, against the joined prefill.
 
@@ -140,9 +116,10 @@ def fidelity(model: LoadedModel, fragments: list[Fragment], merged: DynamicCache
         Texts read behind each cache; their next token and continuation are compared.
     greedy_tokens : int
         Length of each greedy continuation (``0`` skips them).
-    reference : DynamicCache or FidelityReference, optional
+    reference : DynamicCache, FidelityReference or Case, optional
         The joined prefill, when already at hand (it is never modified); a
-        :class:`FidelityReference` also keeps its probe readings across calls.
+        :class:`FidelityReference`, or a :class:`kvlab.Case` of these fragments (its
+        ``reference``), also keeps its probe readings across calls.
     **options
         Passed to the strategy (``ratio=``, ``policy=`` ...); not allowed with a cache.
 
@@ -167,6 +144,8 @@ def fidelity(model: LoadedModel, fragments: list[Fragment], merged: DynamicCache
         name = strat.name
         # Every field, defaults included, so rows of one strategy line up in a table.
         opts = {f.name: getattr(strat, f.name) for f in dataclasses.fields(strat)} if dataclasses.is_dataclass(strat) else {}
+    if isinstance(reference, Case):
+        reference = reference.reference
     if not isinstance(reference, FidelityReference):
         reference = FidelityReference(model, reference if reference is not None else context_reference(model, fragments))
     if cache.get_seq_length() != reference.cache.get_seq_length():

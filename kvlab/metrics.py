@@ -18,47 +18,26 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from .fragments import Fragment, clone_cache, joined_prefill, prefill, prefill_ids, source_ids, tokenize
-from .merge import landing_positions, merge
+from .case import Case
 from .models import LoadedModel
+from .references import context_reference, next_token_dist, phase_reference, read_probe
 from .rope import layer_ropes
 
+__all__ = ["Case", "LayerDiff", "LayerPhase", "Setup", "context_reference", "kl_row", "kv_diff", "layer_position_grid",
+           "max_diff", "next_token_dist", "next_token_kl", "phase_by_position", "phase_error", "phase_reference",
+           "read_probe", "setup"]
 
-def phase_reference(model: LoadedModel, fragments: list[Fragment]) -> DynamicCache:
-    """Each fragment re-prefilled alone at its landing position, then concatenated.
 
-    The phases are right by construction, so concatenation is exact here.
+Setup = Case  # the old name of kvlab.Case
+
+
+def setup(model: LoadedModel, texts: list[str]) -> Case:
+    """Prefill each text as a fragment, with both references at hand: ``Case.from_texts(model, texts)``.
+
+    Kept for older callers; :class:`kvlab.Case` is the one object for this. Its ``phase``
+    and ``context`` references are built when first read.
     """
-    shifted = []
-    for i, (f, land) in enumerate(zip(fragments, landing_positions(fragments))):
-        ids = source_ids(f, i)
-        shifted.append(Fragment(prefill_ids(model, ids, land), ids, f.text, land, f.model_name, f.config))
-    return merge(shifted, "naive")
-
-
-def context_reference(model: LoadedModel, fragments: list[Fragment]) -> DynamicCache:
-    """One prefill of all fragments' tokens: what a merge would be with full context."""
-    return joined_prefill(model, fragments).cache
-
-
-@dataclass
-class Setup:
-    """Fragments of some texts and the two references every comparison in kvlab uses.
-
-    ``fragments``: one per text, each prefilled alone from position 0 (the first with BOS);
-    ``phase``: :func:`phase_reference` (right phase, no cross-fragment context);
-    ``context``: :func:`context_reference` (one prefill of everything).
-    """
-
-    fragments: list[Fragment]
-    phase: DynamicCache
-    context: DynamicCache
-
-
-def setup(model: LoadedModel, texts: list[str]) -> Setup:
-    """Prefill each text as a fragment and build both references (see :class:`Setup`)."""
-    frags = [prefill(model, t, bos=(i == 0)) for i, t in enumerate(texts)]
-    return Setup(frags, phase_reference(model, frags), context_reference(model, frags))
+    return Case.from_texts(model, texts)
 
 
 @dataclass
@@ -296,41 +275,6 @@ def phase_by_position(phases: list[LayerPhase], layer_type: str | None = None, b
         total[pos[seen]] += per_pos[seen]
         count[pos[seen]] += 1
     return torch.arange(n), (total / count).float()
-
-
-@torch.inference_mode()
-def read_probe(model: LoadedModel, cache: DynamicCache, probe: str, greedy_tokens: int = 0) -> tuple[torch.Tensor, list[int]]:
-    """Read ``probe`` behind ``cache``: the next token's distribution and a greedy continuation.
-
-    The cache is cloned first: a forward pass appends to the cache it is given.
-
-    Returns
-    -------
-    log_probs : torch.Tensor
-        ``[vocab]`` float64 log-probabilities of the token after ``probe``.
-    greedy : list of int
-        ``greedy_tokens`` greedy token ids after ``probe`` (the first is the argmax of
-        ``log_probs``' logits, from the same forward pass).
-    """
-    ids = tokenize(model, probe).to(model.device)[None]
-    work = clone_cache(cache, model.config)
-    at = work.get_seq_length()
-    log_probs, greedy = None, []
-    for _ in range(max(1, greedy_tokens)):
-        pos = torch.arange(at, at + ids.shape[-1], device=model.device)[None]
-        logits = model.model(input_ids=ids, position_ids=pos, cache=work, use_cache=True).logits[0, -1]
-        at += ids.shape[-1]
-        if log_probs is None:
-            log_probs = torch.log_softmax(logits.double(), -1)
-        if greedy_tokens:
-            greedy.append(int(logits.argmax()))
-            ids = torch.tensor([[greedy[-1]]], device=model.device)
-    return log_probs, greedy
-
-
-def next_token_dist(model: LoadedModel, cache: DynamicCache, probe: str) -> torch.Tensor:
-    """``[vocab]`` float64 log-probabilities of the token after ``probe``, read behind ``cache`` (cloned)."""
-    return read_probe(model, cache, probe)[0]
 
 
 def kl_row(model: LoadedModel, probe: str, lp: torch.Tensor, lq: torch.Tensor) -> dict:
