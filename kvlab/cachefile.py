@@ -18,7 +18,6 @@ from transformers import DynamicCache
 from .cacheformat import (FORMAT, FORMAT_VERSION, MAX_HEADER_BYTES, ST_DTYPES, TENSOR_DIGEST, Container, Layout,
                           check_tensors, content_digest, digest_error, open_container, read_header, tensor_digest,
                           tensor_names, verify_file, write_container)
-from .cacheformat import kvlab_metadata as _kvlab_meta  # noqa: F401  (the old private name, used by tests)
 from .errors import CacheFileError, FingerprintMismatch
 from .fragments import Fragment, new_cache, set_length
 from .identity import Difference, compare, fingerprint
