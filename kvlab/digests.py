@@ -107,14 +107,16 @@ def tokenizer_files_stat(folder: Path) -> dict:
     return out
 
 
-def store_tokenizer_digest(folder, tokenizer) -> str:
+def store_tokenizer_digest(folder, tokenizer, digest: str | None = None) -> str:
     """Hash ``tokenizer`` (loaded from ``folder``) and keep the digest in that folder.
 
     kvlab calls this once, when it converts a GGUF, so that later fingerprints of the
-    model read the digest instead of serializing the tokenizer again.
+    model read the digest instead of serializing the tokenizer again. ``digest``: the
+    tokenizer's :func:`tokenizer_digest`, when the caller has just computed it.
     """
     folder = Path(folder)
-    digest = tokenizer_digest(tokenizer)
+    if digest is None:
+        digest = tokenizer_digest(tokenizer)
     entry = {"signature": tokenizer_signature(tokenizer), "sha256": digest, "files": tokenizer_files_stat(folder)}
     write_folder_cache(folder / "fingerprint-tokenizer.json", {"tokenizer": entry})
     return digest

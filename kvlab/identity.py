@@ -314,7 +314,7 @@ def _tokenizer_digest_cached(model, recompute: bool) -> str:
                 and entry.get("files") == tokenizer_files_stat(folder)):
             digest = entry["sha256"]
         else:
-            digest = store_tokenizer_digest(folder, tok)
+            digest = store_tokenizer_digest(folder, tok, tokenizer_digest(tok))
     _TOKENIZER_MEMO[tok] = (sig, digest)
     return digest
 
