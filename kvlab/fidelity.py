@@ -12,7 +12,6 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-import torch
 from transformers import DynamicCache
 
 from .case import Case, FidelityReference

@@ -72,8 +72,9 @@ from pathlib import Path
 
 import torch
 
-from .digests import (FINGERPRINT_VERSION, TOKENIZER_FILES, is_hex64, read_folder_cache, store_tokenizer_digest,
-                      tokenizer_digest, tokenizer_files_stat, tokenizer_signature, write_folder_cache)
+from .digests import TOKENIZER_FILES  # noqa: F401  (re-exported: its old home)
+from .digests import (FINGERPRINT_VERSION, is_hex64, read_folder_cache, store_tokenizer_digest, tokenizer_digest,
+                      tokenizer_files_stat, tokenizer_signature, write_folder_cache)
 from .digests import canonical_json as _canonical
 from .fragments import new_cache
 from .rope import layer_ropes

@@ -1,7 +1,6 @@
 """kvlab.Case: one object for fragments, both references and probes; the same numbers as building them by hand."""
 from __future__ import annotations
 
-import pytest
 import torch
 
 import kvlab
