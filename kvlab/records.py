@@ -55,7 +55,7 @@ def _number(x, what: str, name: str):
     return int(x) if isinstance(x, numbers.Integral) else float(x)
 
 
-def _rounded(x):
+def rounded(x):
     """JSON-ready ``x``: ints stay, floats keep SIGNIFICANT_DIGITS digits, non-finite become strings."""
     if isinstance(x, int) or x is None:
         return x
@@ -73,7 +73,7 @@ def _plain(x, name: str, key: str):
     if isinstance(x, (list, tuple)):
         return [_plain(v, name, key) for v in x]
     try:
-        return _rounded(_number(x, f"extra {key!r}", name))
+        return rounded(_number(x, f"extra {key!r}", name))
     except RecordError:
         raise RecordError(f"record {name!r}: extra {key!r} must be a string, bool, number or list of them, "
                           f"got {type(x).__name__}") from None
@@ -105,8 +105,8 @@ def make_record(name: str, value, *, unit: str = "", ci=None, n=None, **extra) -
         if not isinstance(n, int) or n < 0:
             raise RecordError(f"record {name!r}: n must be a non-negative integer, got {n!r}")
     return {
-        "name": name, "value": _rounded(v), "unit": unit,
-        "ci_low": _rounded(lo), "ci_high": _rounded(hi), "n": n,
+        "name": name, "value": rounded(v), "unit": unit,
+        "ci_low": rounded(lo), "ci_high": rounded(hi), "n": n,
         "extra": {k: _plain(x, name, k) for k, x in sorted(extra.items())},
     }
 

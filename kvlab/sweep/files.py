@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
+
+from ..atomic import atomic_write_text
 
 
 _UMASK = os.umask(0)
@@ -12,24 +13,14 @@ os.umask(_UMASK)
 
 
 def write_atomic(path, text: str) -> Path:
-    """Write ``text`` to ``path`` via a temporary file in the same folder and ``os.replace``.
+    """Write ``text`` to ``path`` atomically (:func:`kvlab.atomic.atomic_write_text`).
 
     A reader (or a rerun after Ctrl-C or a killed worker) sees the old file or the new
-    one, never a half-written one.
+    one, never a half-written one. Outputs are as readable as any other file the user
+    makes (``0666`` less the umask), not ``0600`` as a temporary file is created.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; outputs are as readable as any other file
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_text(path, text, mode=0o666 & ~_UMASK)
     return path
 
 

@@ -32,10 +32,11 @@ def model_digest(model_name) -> tuple[str | None, str | None]:
         return None, "no model_name parameter"
     if model_name not in _DIGESTS:
         try:
-            import kvlab
+            from ..identity import fingerprint
+            from ..models import load_model
 
-            model = kvlab.load_model(model_name)
-            _DIGESTS[model_name] = (kvlab.fingerprint(model, weights=True)["weights_sha256"], None)
+            model = load_model(model_name)
+            _DIGESTS[model_name] = (fingerprint(model, weights=True)["weights_sha256"], None)
             del model
         except Exception as e:  # noqa: BLE001  a point's record still gets written; the error says why
             _DIGESTS[model_name] = (None, f"{type(e).__name__}: {e}")
@@ -142,9 +143,9 @@ def execute(task: dict, folder: Path) -> tuple[str, str | None]:
 
 
 def _json_ready(records: list[dict]) -> list[dict]:
-    from ..records import _rounded
+    from ..records import rounded
 
-    return [dict(r, **{k: _rounded(r[k]) if isinstance(r[k], float) else r[k] for k in ("value", "ci_low", "ci_high")})
+    return [dict(r, **{k: rounded(r[k]) if isinstance(r[k], float) else r[k] for k in ("value", "ci_low", "ci_high")})
             for r in records]
 
 
