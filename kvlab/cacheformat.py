@@ -34,7 +34,13 @@ What kvlab adds on top of the library, and why
   container the library refuses becomes a :class:`kvlab.CacheFileError` naming the file,
   what is wrong in kvlab's words, and the library's own message.
 * Atomic writes (:func:`kvlab.atomic.atomic_path`): the library writes to a temporary
-  name beside the target, which is then fsynced and renamed over it.
+  name beside the target, which is then fsynced and renamed over it. The digests are
+  computed in a pass of their own before the library writes (it takes a file name, not a
+  stream, so a tensor can no longer be hashed while it is in the CPU's caches for its
+  write): ``save_cache`` measured 1.32-1.59x a raw ``save_file`` against 0.89-1.29x for
+  the hand-written writer (``benchmarks/cachefile.py --repeats 5``, two runs each, both
+  malloc settings, on a shared 2-core VM), inside the 2x target. Loading is unchanged in
+  kind: the library maps the file, and the cache copies each tensor once.
 
 No hand-written container code is left: the byte-for-byte comparison of the outer header
 with kvlab's own encoding (the old reader's guard against edits that still parse) is
