@@ -1,6 +1,7 @@
 """kvlab: is a merged or reloaded transformer KV cache still right?"""
-from .errors import KvlabError, MergeError, ModelError, PositionError, UnsupportedRopeError
-from .models import DEFAULT_MODEL, LoadedModel, load_model, model_names
+from .errors import KvlabError, MergeError, ModelError, PositionError, UnsupportedModelError, UnsupportedRopeError
+from .models import DEFAULT_MODEL, LoadedModel, model_names
+from .sources import load_model, wrap
 from .fragments import (Fragment, clone_cache, joined_prefill, new_cache, prefill, prefill_ids, prefill_tokens,
                         set_length, tokenize)
 from .strategies import STRATEGIES, Strategy, register, strategy_names
@@ -11,8 +12,8 @@ from . import recompute  # noqa: F401  (registers the "recompute" strategy)
 from .rope import layer_ropes, rotate_keys
 
 __all__ = [
-    "KvlabError", "MergeError", "ModelError", "PositionError", "UnsupportedRopeError",
-    "DEFAULT_MODEL", "LoadedModel", "load_model", "model_names",
+    "KvlabError", "MergeError", "ModelError", "PositionError", "UnsupportedModelError", "UnsupportedRopeError",
+    "DEFAULT_MODEL", "LoadedModel", "load_model", "model_names", "wrap",
     "Fragment", "clone_cache", "joined_prefill", "new_cache", "prefill", "prefill_ids", "prefill_tokens",
     "set_length", "tokenize",
     "STRATEGIES", "Strategy", "register", "strategy_names",

@@ -28,7 +28,7 @@ def _models(args) -> int:
 
 def _check(args) -> int:
     from .check import check_rows, format_rows
-    from .models import load_model
+    from .sources import load_model
 
     torch.manual_seed(0)
     model = load_model(args.model)
@@ -44,7 +44,7 @@ def _check(args) -> int:
 
 def _mismatch(args) -> int:
     from .mismatch import format_study, mismatch_study
-    from .models import load_model
+    from .sources import load_model
 
     results = mismatch_study(load_model(args.model), steps=args.steps)
     print(format_study(results))
@@ -60,7 +60,7 @@ def _inspect(args) -> int:
 
     from .cachefile import load_cache, read_header, verify_file
     from .identity import show
-    from .models import load_model
+    from .sources import load_model
 
     path = Path(args.file)
     # With a model, load_cache checks the tensor digests itself: read the file once.
@@ -129,6 +129,9 @@ def _sweep(args) -> int:
     return 1 if failed else 0
 
 
+MODEL_HELP = "a kvlab model name (kvlab models), a Hugging Face model folder or a .gguf file"
+
+
 def main(argv: list[str] | None = None) -> int:
     from .models import DEFAULT_MODEL
 
@@ -139,12 +142,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="convert these real models now (default: every installed one), with a progress bar on a terminal")
     p.set_defaults(func=_models)
     p = sub.add_parser("check", help="every merge strategy against both references, as a table")
-    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.set_defaults(func=_check)
     p = sub.add_parser("inspect", help="who made a cache file, and is it intact (optionally: does it fit a model)")
     p.add_argument("file")
-    p.add_argument("--model", default=None, help="also load it into this model, refusing any fingerprint mismatch")
+    p.add_argument("--model", default=None, help="also load it into this model, refusing any fingerprint mismatch; " + MODEL_HELP)
     p.set_defaults(func=_inspect)
     from .mismatch import FINETUNE_DEFAULTS
 
@@ -154,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--verbose", action="store_true", help="also print every probe's top-1 tokens")
     p.set_defaults(func=_mismatch)
     p = sub.add_parser("report", help="execute the notebooks with papermill into an HTML report")
-    p.add_argument("--model", default=None, help="model for every notebook (default: each notebook's own)")
+    p.add_argument("--model", default=None, help="model for every notebook (default: each notebook's own); " + MODEL_HELP)
     p.add_argument("--out", default="reports")
     p.add_argument("--only", nargs="+", metavar="NB", help="notebook names, e.g. 01_phase_error")
     p.add_argument("-p", "--param", nargs=2, action="append", metavar=("NAME", "VALUE"), help="a notebook parameter")

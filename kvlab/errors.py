@@ -13,6 +13,13 @@ class ModelError(KvlabError):
     """A model name is unknown, or its files are not installed (the message says how to install them)."""
 
 
+class UnsupportedModelError(ModelError):
+    """A model kvlab cannot treat: no rotary embedding, encoder-only, not a causal LM, or a rope it cannot read.
+
+    Raised when the model is loaded or wrapped, before any weight is read or any cache built.
+    """
+
+
 class MergeError(KvlabError):
     """Fragments cannot be merged as asked: incompatible geometry, no source, or a refused strategy."""
 

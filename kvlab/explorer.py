@@ -18,7 +18,8 @@ from .case import DEFAULT_PROBES, DEFAULT_TEXTS, Case
 from .errors import KvlabError
 from .merge import merge
 from .metrics import kv_diff, max_phase_error, next_token_kl, phase_beyond_rounding, phase_error, weighted_phase_error
-from .models import DEFAULT_MODEL, LoadedModel, load_model
+from .models import DEFAULT_MODEL, LoadedModel
+from .sources import load_model
 from .plots import kv_heatmap, phase_vs_position_head
 from .strategies import STRATEGIES, strategy_names
 

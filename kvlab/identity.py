@@ -7,8 +7,10 @@ that model in a JSON-ready dict; :func:`compare` lists how two fingerprints diff
 Strict fields (any difference refuses a cache file, see :func:`kvlab.load_cache`)
 ---------------------------------------------------------------------------------
 ``source``, ``source_sha256``
-    Where the weights came from (GGUF package and file, tiny seed, derived variant) and
-    the sha256 of that file. The same model *name* can resolve to different files.
+    Where the weights came from (GGUF package and file, a local folder's name, tiny seed,
+    a live object's name, derived variant) and the sha256 of that GGUF file, or of the
+    folder's config, weight and tokenizer files. The same model *name* can resolve to
+    different files.
 ``architecture``
     The model class. Two architectures can share every tensor shape and still compute
     different keys (norms, activation, k_norm, bias).
@@ -292,9 +294,13 @@ _WEIGHTS_MEMO: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, str]]" =
 
 
 def _model_folder(model) -> Path | None:
-    """The conversion-cache folder of a model loaded unchanged from it, else None."""
+    """Where remembered digests of a model loaded unchanged live, else None.
+
+    The conversion-cache folder of a catalogue or GGUF model; for a user's own folder a
+    kvlab cache folder named by its file digest (the user's folder is never written to).
+    """
     source = model.source or {}
-    folder = source.get("folder")
+    folder = source.get("folder") or source.get("fingerprint_dir")
     if not folder or source.get("variant") or source.get("derived"):
         return None
     return Path(folder)
@@ -353,14 +359,19 @@ def _weights_digest_cached(model, recompute: bool) -> str:
 def _source(model) -> tuple[str, str | None]:
     s = model.source or {}
     if s.get("gguf_file"):
-        base = f"gguf:{s.get('package', '?')}/{s['gguf_file']}"
+        # A GGUF from outside the catalogue has no package; its sha256 identifies it.
+        base = f"gguf:{s['package']}/{s['gguf_file']}" if s.get("package") else f"gguf:{s['gguf_file']}"
+    elif s.get("kind") == "folder":
+        # The folder's name, not its path: a moved folder keeps its caches; its files' digest
+        # (source_sha256) tells two checkpoints of the same name apart.
+        base = f"folder:{s['name']}"
     elif s.get("kind") == "tiny":
         base = f"tiny:{s.get('name', model.name)}"
     else:
         base = f"{s.get('kind', 'model')}:{s.get('name', model.name)}"
     if s.get("derived"):
         base += f" + {s['derived']}"
-    return base, s.get("gguf_sha256")
+    return base, s.get("gguf_sha256") or s.get("files_sha256")
 
 
 @functools.lru_cache(maxsize=1)

@@ -42,7 +42,7 @@ def setup(model: LoadedModel, texts: list[str]) -> Case:
 
 @dataclass
 class LayerDiff:
-    """Element-wise difference of one layer, reduced over ``head_dim``.
+    """Element-wise difference of one layer, reduced over ``head_dim`` (CPU tensors, any cache device).
 
     Attributes
     ----------
@@ -72,7 +72,8 @@ def kv_diff(cache: DynamicCache, ref: DynamicCache) -> list[LayerDiff]:
     out = []
     for li in range(len(cache.layers)):
         pos, k, kr, v, vr = _aligned(cache, ref, li)
-        out.append(LayerDiff(pos, (k - kr).abs().amax(-1).float(), (v - vr).abs().amax(-1).float()))
+        # Reduced maps are small and read by plots and tables: they live on the CPU whatever the cache's device.
+        out.append(LayerDiff(pos, (k - kr).abs().amax(-1).float().cpu(), (v - vr).abs().amax(-1).float().cpu()))
     return out
 
 
@@ -209,8 +210,9 @@ def phase_error(cache: DynamicCache, ref: DynamicCache, model: LoadedModel,
         norm = torch.minimum(nx, ny)
         if min_norm is not None:
             angle = angle.masked_fill((norm <= min_norm * rms) | (norm == 0), math.nan)
-        out.append(LayerPhase(pos, angle.float(), rope.inv_freq, rope.layer_type, norm=norm.float(),
-                              weight=(nx * ny).float(), key_scale=float(kr.abs().max()) if kr.numel() else 0.0,
+        # Small per-pair maps, read by plots and tables: on the CPU whatever the cache's device.
+        out.append(LayerPhase(pos, angle.float().cpu(), rope.inv_freq.cpu(), rope.layer_type, norm=norm.float().cpu(),
+                              weight=(nx * ny).float().cpu(), key_scale=float(kr.abs().max()) if kr.numel() else 0.0,
                               rms_pair_norm=rms))
     return out
 

@@ -87,7 +87,8 @@ def variants(model: LoadedModel, kind: str, **finetune) -> LoadedModel:
     if unknown or (finetune and kind != "finetune"):
         raise KvlabError(f"variant {kind!r} takes no option(s) {', '.join(sorted(unknown or finetune))}")
     module = copy.deepcopy(model.model)
-    base = {k: v for k, v in (model.source or {}).items() if k != "folder"}  # not the converted model any more
+    # Not the converted or digested model any more: its remembered digests do not apply.
+    base = {k: v for k, v in (model.source or {}).items() if k not in ("folder", "fingerprint_dir")}
     source = dict(base, variant=kind, base=model.name)
     if kind in _CASTS:
         module = module.to(_CASTS[kind])
@@ -123,7 +124,7 @@ def _finetune(module: torch.nn.Module, tokenizer, *, steps: int, lr: float, seed
     ids = torch.tensor(tokenizer(finetune_text(), add_special_tokens=False)["input_ids"], dtype=torch.long)
     if ids.numel() <= seq_len:
         raise KvlabError(f"the fine-tune text is {ids.numel()} tokens, fewer than seq_len={seq_len}")
-    dtype = next(module.parameters()).dtype
+    dtype, device = next(module.parameters()).dtype, next(module.parameters()).device
     module.float()
     # Embeddings are tied in both real models and dominate the optimizer state; a
     # fine-tune of every block already moves every cached key and value.
@@ -140,7 +141,7 @@ def _finetune(module: torch.nn.Module, tokenizer, *, steps: int, lr: float, seed
     with torch.inference_mode(False), torch.enable_grad():
         for _ in range(steps):
             starts = torch.randint(0, ids.numel() - seq_len, (batch,), generator=gen)
-            x = torch.stack([ids[s : s + seq_len] for s in starts.tolist()])
+            x = torch.stack([ids[s : s + seq_len] for s in starts.tolist()]).to(device)
             loss = module(input_ids=x, labels=x, use_cache=False).loss
             loss.backward()
             opt.step()

@@ -159,7 +159,7 @@ class Recompute(Strategy):
         layer = self._check_layer(decoder, merged)
         dev = key_deviation(decoder, merged, layer)
         # Sorted so the chosen tokens run in position order (any order is exact; this one is cache-friendly).
-        return torch.topk(dev, k).indices.sort().values
+        return torch.topk(dev, k).indices.sort().values.cpu()
 
     def _check_layer(self, decoder: "Decoder", merged: DynamicCache) -> int:
         n_layers, total = len(merged.layers), decoder.total
@@ -559,11 +559,12 @@ def run_layers(decoder: Decoder, slots: torch.Tensor, n_layers: int, layer_kv, s
         Leave the last layer as soon as its K/V are written (its attention and MLP
         would only feed layers that are not run).
     """
+    # Read before the move: on an accelerator int() would sync, and a meta tensor has no values.
+    first, last = int(slots[0]), int(slots[-1])
     slots = slots.to(decoder.device)
     pos = slots[None]
     h = decoder.embed(decoder.ids[slots][None])
     pes = position_embeddings(decoder, h, slots)
-    first, last = int(slots[0]), int(slots[-1])
     everything = first == 0 and last == slots.numel() - 1
     masks = {}
     for li in range(n_layers):

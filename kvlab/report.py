@@ -44,7 +44,10 @@ def plan(only: list[str] | None, params: dict[str, str], model: str | None) -> l
         raise ReportError(f"unknown notebook(s) {', '.join(unknown)}; available: {', '.join(available)}")
     given = {k: _coerce(v) for k, v in params.items()}
     if model is not None:
-        given["model_name"] = model
+        from .sources import looks_like_path
+
+        # Notebooks run with notebooks/ as working directory: a relative path must not change meaning there.
+        given["model_name"] = str(Path(model).expanduser().resolve()) if looks_like_path(model) else model
     out = []
     for name in names:
         declared = pm.inspect_notebook(str(available[name]))

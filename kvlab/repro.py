@@ -69,15 +69,16 @@ def chat_turn(model, cache: DynamicCache, query: str, new_tokens: int = 12) -> s
     The cache given is extended in place, as ``generate`` does: by the query's tokens and
     every answer token but the last.
     """
-    ids = torch.tensor(model.tokenizer(query, add_special_tokens=False)["input_ids"], dtype=torch.long)[None]
+    device = model.device
+    ids = torch.tensor(model.tokenizer(query, add_special_tokens=False)["input_ids"], dtype=torch.long, device=device)[None]
     out = []
     for _ in range(new_tokens):
         n = cache.get_seq_length()
-        pos = torch.arange(n, n + ids.shape[-1])[None]
+        pos = torch.arange(n, n + ids.shape[-1], device=device)[None]
         logits = model.model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True).logits
         nxt = int(logits[0, -1].argmax())
         out.append(nxt)
         if len(out) == new_tokens:
             break
-        ids = torch.tensor([[nxt]])
+        ids = torch.tensor([[nxt]], device=device)
     return model.tokenizer.decode(out)

@@ -17,6 +17,34 @@ from .errors import PositionError, UnsupportedRopeError
 #: Rope types whose frequencies do not depend on the sequence length, so rotations compose.
 STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
 
+#: Rope types kvlab reads but whose rotations compose only for some merges: ``dynamic`` never
+#: (refused by re-rotating strategies), ``longrope`` unless a merge crosses its switch
+#: length. Models using them load; :func:`check_composable` decides per merge.
+CONDITIONAL_ROPE_TYPES = {"dynamic", "longrope"}
+
+
+def rope_problem(params: dict) -> str | None:
+    """Why kvlab cannot treat a rope schedule at all, or ``None`` when it can.
+
+    The one place that says which schedules kvlab knows: :func:`check_composable` refuses a
+    merge with it, and loading or wrapping a model refuses the model with it, before any work.
+
+    Parameters
+    ----------
+    params : dict
+        One layer type's ``config.rope_parameters`` (``rope_type``, ``rope_theta``, ...).
+    """
+    rope_type = params.get("rope_type", "default")
+    if "mrope_section" in params:
+        return (f"rope_type {rope_type!r} with mrope_section {params['mrope_section']}: multimodal rope splits each key "
+                "into sections rotated by separate (temporal, height, width) positions, so a shift of the token "
+                "position alone is not a rotation kvlab can compute")
+    if rope_type not in STATIC_ROPE_TYPES | CONDITIONAL_ROPE_TYPES:
+        return (f"rope_type {rope_type!r} is not one kvlab knows "
+                f"({', '.join(sorted(STATIC_ROPE_TYPES | CONDITIONAL_ROPE_TYPES))}), so it cannot tell whether its "
+                "rotations compose (R(a) R(b) = R(a + b)), which every re-rotation relies on")
+    return None
+
 
 @dataclass(frozen=True)
 class LayerRope:
@@ -87,7 +115,8 @@ def layer_ropes(model: torch.nn.Module) -> list[LayerRope]:
             omax = params.get("original_max_position_embeddings") if rope_type == "longrope" else None
             if omax is None and rope_type == "longrope":
                 omax = getattr(config, "original_max_position_embeddings", None)
-            by_type[lt] = LayerRope(lt, rope_type, inv_freq.detach().float().cpu().clone(), float(scaling), omax)
+            # Kept on the model's device (meta included): rotation tables are built where the keys are.
+            by_type[lt] = LayerRope(lt, rope_type, inv_freq.detach().float().clone(), float(scaling), omax)
         out.append(by_type[lt])
     return out
 
@@ -100,7 +129,7 @@ def longrope_inv_freq(model: torch.nn.Module, rope: LayerRope, long: bool) -> to
         return rope.inv_freq
     kwargs = {} if rope.layer_type == "default" else {"layer_type": rope.layer_type}
     inv, _ = ROPE_INIT_FUNCTIONS["longrope"](model.config, None, seq_len=rope.original_max_position_embeddings + 1, **kwargs)
-    return inv.float().cpu()
+    return inv.float().to(rope.inv_freq.device)
 
 
 def check_composable(rope: LayerRope, spans: list[tuple[int, int, int]]) -> bool:
@@ -136,7 +165,7 @@ def check_composable(rope: LayerRope, spans: list[tuple[int, int, int]]) -> bool
                 "rotations do not compose; re-prefill instead"
             )
         return merged_long
-    raise UnsupportedRopeError(f"rope_type {rope.rope_type!r} is not known to compose; kvlab refuses to re-rotate it")
+    raise UnsupportedRopeError(rope_problem({"rope_type": rope.rope_type}) or f"rope_type {rope.rope_type!r} does not compose")
 
 
 def delta_cos_sin(inv_freq: torch.Tensor, delta: int | torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,10 +183,14 @@ def delta_cos_sin(inv_freq: torch.Tensor, delta: int | torch.Tensor, dtype: torc
     cos, sin : torch.Tensor
         ``[r/2]`` (scalar delta) or ``[T, r/2]``; no attention scaling (see module docstring).
     """
-    f = inv_freq.to(torch.float64)
-    d = torch.as_tensor(delta, dtype=torch.float64)
+    device = inv_freq.device
+    # float64 where the frequencies live (CPU, CUDA, meta); MPS has no float64, so its
+    # angles are computed on the CPU (a few hundred numbers) and moved once.
+    work = torch.device("cpu") if device.type == "mps" else device
+    f = inv_freq.to(work, torch.float64)
+    d = torch.as_tensor(delta, dtype=torch.float64, device=work)
     ang = d[..., None] * f if d.ndim else d * f
-    return ang.cos().to(dtype), ang.sin().to(dtype)
+    return ang.cos().to(device, dtype), ang.sin().to(device, dtype)
 
 
 def rotation(inv_freq: torch.Tensor, delta: int | torch.Tensor, dtype: torch.dtype, device=None) -> tuple[torch.Tensor, torch.Tensor]:
