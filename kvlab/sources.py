@@ -13,9 +13,10 @@
 
 :func:`wrap` takes a causal LM a user's code already holds (quantised, on an accelerator).
 
-Every model from outside the catalogue is checked before any weight is read or any cache
-built (:func:`check_config`, :func:`check_module`); a model kvlab cannot treat raises
-:class:`~kvlab.errors.UnsupportedModelError` naming the reason.
+Every model from outside the catalogue is checked before any weight is read
+(:func:`check_config`, :func:`check_module` on a meta-device skeleton), and once its weights
+are in, before it is handed out, by a one-token rotation self-test (:func:`check_rotation`).
+A model kvlab cannot treat raises :class:`~kvlab.errors.UnsupportedModelError` naming the reason.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from .identity import TOKENIZER_FILES
 from .models import (DEFAULT_MODEL, GGUF_MODELS, GGUFSpec, LoadedModel, _load_gguf, _quiet_transformers, _sha256_cached,
                      cache_root, model_names)
 from .models import load_model as load_catalogue_model
-from .rope import find_rotary_module, layer_ropes, layer_types, rope_problem
+from .rope import find_rotary_module, layer_ropes, layer_types, rope_problem, rotate_keys
 
 #: Files of a model folder that decide what it computes, and so enter its digest. Docs,
 #: licences and ``generation_config.json`` (sampling defaults) do not change a KV cache.
@@ -90,6 +91,9 @@ def load_model(name: str | os.PathLike = DEFAULT_MODEL, dtype: torch.dtype = tor
                          "or give a path to a Hugging Face model folder or a .gguf file")
     if device is not None:
         loaded.model.to(device)
+    if loaded.source.get("kind") != "tiny" and loaded.name not in GGUF_MODELS:
+        # Outside the catalogue (whose models the tests check), test the rotation before any merge.
+        check_rotation(loaded)
     return loaded
 
 
@@ -129,7 +133,9 @@ def wrap(model: torch.nn.Module, tokenizer, name: str | None = None) -> LoadedMo
     method = (quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)) if quant else None
     source = {"kind": "live", "name": name, "class": type(model).__name__,
               "quantization": str(getattr(method, "value", method)) if method else "none"}
-    return LoadedModel(model=model, tokenizer=tokenizer, name=name, config=config, source=source)
+    loaded = LoadedModel(model=model, tokenizer=tokenizer, name=name, config=config, source=source)
+    check_rotation(loaded)
+    return loaded
 
 
 # --------------------------------------------------------------------------- checks
@@ -194,6 +200,56 @@ def check_module(model: torch.nn.Module, what: str) -> None:
     if len(layer_types(config)) != config.num_hidden_layers:
         raise UnsupportedModelError(f"{what}: config.layer_types names {len(layer_types(config))} layers, the model "
                                     f"has {config.num_hidden_layers}")
+
+
+#: Position the rotation self-test moves a key to (far enough that every frequency pair turns).
+PROBE_SHIFT = 37
+
+
+@torch.inference_mode()
+def check_rotation(loaded: LoadedModel) -> float:
+    """Check that the model rotates cached keys the way kvlab re-rotates them, at every layer.
+
+    One token prefilled alone attends only to itself, so at every layer its key at position
+    ``s`` must be its key at position 0 turned by ``s`` positions, if the model applies RoPE
+    as kvlab reads it: pairs ``(i, i + r/2)`` of the first ``rotary_dim`` dims, frequencies
+    from the rotary module. Models that pair ``(2i, 2i + 1)`` (Cohere, GLM), leave some layers
+    without rope (SmolLM3's NoPE layers) or rotate a separate part of the key (DeepSeek's
+    MLA) fail here, where any re-rotation would silently be wrong. Skipped on ``meta``.
+
+    Returns
+    -------
+    float
+        The largest relative error ``max|K_s - R(s) K_0| / max|K_s|`` over layers.
+
+    Raises
+    ------
+    UnsupportedModelError
+        Above 1e-3 (float32/64 weights) or 5e-2 (half precision), naming the layers.
+    """
+    from .fragments import prefill_ids
+
+    if loaded.device.type == "meta":
+        return 0.0
+    limit = getattr(loaded.config.get_text_config(), "max_position_embeddings", None) or PROBE_SHIFT + 1
+    shift = min(PROBE_SHIFT, limit - 1)
+    ids = loaded.tokenizer(" the", add_special_tokens=False)["input_ids"][:1] or [0]
+    ids = torch.tensor(ids, dtype=torch.long)
+    at0, at_s = prefill_ids(loaded, ids, 0), prefill_ids(loaded, ids, shift)
+    tol = 1e-3 if loaded.dtype in (torch.float32, torch.float64) else 5e-2
+    errors = []
+    for li, rope in enumerate(layer_ropes(loaded.model)):
+        k0, ks = at0.layers[li].keys.float(), at_s.layers[li].keys.float()
+        want = rotate_keys(k0, rope.inv_freq, shift)
+        errors.append(float((ks - want).abs().max() / ks.abs().max().clamp_min(1e-30)))
+    bad = [li for li, e in enumerate(errors) if not e <= tol]
+    if bad:
+        raise UnsupportedModelError(
+            f"{loaded.name}: at layer(s) {bad} a key cached at position {shift} is not the same token's key at position 0 "
+            f"rotated by {shift} positions the way kvlab rotates (relative error up to {max(errors[li] for li in bad):.2g}, "
+            f"allowed {tol:g}). The model applies positions some other way (interleaved rotary pairs, layers without "
+            "rope, rope on a separate part of the key), so every re-rotation kvlab made would be silently wrong")
+    return max(errors, default=0.0)
 
 
 def _no_rope_reason(model: torch.nn.Module, what: str) -> str:

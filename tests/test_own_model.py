@@ -14,6 +14,7 @@ import torch
 import transformers as tf
 
 import kvlab
+from kvlab.tiny import _COMMON as COMMON
 from kvlab.tiny import TINY_CONFIGS, TINY_SEED, VOCAB_SIZE, byte_tokenizer
 
 from conftest import assert_unchanged, snapshot, tiny
@@ -324,3 +325,24 @@ def test_notebook_takes_a_folder_as_model_name(saved, tmp_path):
                         cwd=str(NOTEBOOK_DIR), kernel_name="python3")
     assert "model tiny-gemma3: 4 layers" in out.read_text()
     assert "tiny-gemma3" in finding(out)
+
+
+@pytest.mark.parametrize("family, config", [
+    ("interleaved rotary pairs (Cohere)", lambda: tf.CohereConfig(**dict(COMMON, num_key_value_heads=2))),
+    ("layers without rope (SmolLM3 NoPE)", lambda: tf.SmolLM3Config(**dict(COMMON, num_key_value_heads=2, num_hidden_layers=4))),
+])
+def test_model_rotating_keys_another_way_is_refused_by_the_rotation_self_test(family, config, tmp_path):
+    torch.manual_seed(TINY_SEED)
+    model = tf.AutoModelForCausalLM.from_config(config()).eval()
+    folder = save(model, byte_tokenizer(), tmp_path / "m")
+    with pytest.raises(kvlab.UnsupportedModelError, match="is not the same token's key at position 0 rotated"):
+        kvlab.load_model(folder)
+    with pytest.raises(kvlab.UnsupportedModelError, match="would be silently wrong"):
+        kvlab.wrap(model, byte_tokenizer())
+
+
+def test_rotation_self_test_passes_every_tiny_architecture():
+    from kvlab.sources import check_rotation
+
+    for name in TINY_CONFIGS:
+        assert check_rotation(tiny(name)) < 1e-5, name
