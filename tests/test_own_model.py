@@ -346,3 +346,13 @@ def test_rotation_self_test_passes_every_tiny_architecture():
 
     for name in TINY_CONFIGS:
         assert check_rotation(tiny(name)) < 1e-5, name
+
+
+def test_explorer_takes_a_folder_path(saved):
+    from kvlab.explorer import MergeExplorer
+
+    texts, probes = ["First fragment here.", " And the second one."], [" and"]
+    ex = MergeExplorer(str(saved["tiny-gemma3"]), texts=texts, probes=probes)
+    assert ex.state["model"] == "tiny-gemma3" and ex.state["max_phase_error"] > 0.1
+    ex.strategy.value = "rerotate"
+    assert ex.state["max_phase_error"] < 1e-3
