@@ -49,7 +49,8 @@ milliseconds). The tokenizer digest (a serialization of the whole tokenizer: 0.4
 Gemma 3's 262k tokens) and the weights digest are remembered per live object and
 invalidated when the object changes (new storage, in-place edits bump a tensor's version
 counter, added tokens change the tokenizer's length). For a model loaded from kvlab's
-conversion cache both are also kept in that folder:
+conversion cache both are also kept in that folder (for a user's own model folder, in
+``$KVLAB_CACHE/folders/<name>-<files digest>``: kvlab never writes into the user's folder):
 
 * ``fingerprint-tokenizer.json``, written when the GGUF is converted, so that even the
   first fingerprint in a new process costs milliseconds. It is trusted only while the

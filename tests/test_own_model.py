@@ -356,3 +356,25 @@ def test_explorer_takes_a_folder_path(saved):
     assert ex.state["model"] == "tiny-gemma3" and ex.state["max_phase_error"] > 0.1
     ex.strategy.value = "rerotate"
     assert ex.state["max_phase_error"] < 1e-3
+
+
+def test_another_gguf_file_is_converted_under_its_own_sha256(tmp_path, monkeypatch):
+    """A GGUF that is not the catalogue's file (here SmolLM2's with one header byte changed) gets its own name,
+    sha256 and quantization; the conversion itself is the catalogue's (checked above), so it is not rerun here."""
+    from kvlab import sources
+    from kvlab.models import GGUF_MODELS, _sha256_file
+
+    spec = GGUF_MODELS["smollm2-135m"]
+    gguf = tmp_path / "my-smollm2.gguf"
+    data = bytearray(spec.locate(spec).read_bytes())
+    at = data.index(b"Smollm2 135M")
+    data[at] = ord("s")  # general.name: same length, so the file stays valid
+    gguf.write_bytes(bytes(data))
+    seen = {}
+    monkeypatch.setattr(sources, "_load_gguf", lambda s, dtype: seen.setdefault("spec", s))
+    sources._load_gguf_file(gguf, torch.float32)
+    got = seen["spec"]
+    assert (got.name, got.filename, got.quantization, got.package) == ("my-smollm2", "my-smollm2.gguf", "Q4_1", "")
+    assert got.locate(got) == gguf.resolve()
+    assert sources._catalogue_spec(gguf, _sha256_file(gguf)) is None
+    assert sources._catalogue_spec(spec.locate(spec), _sha256_file(spec.locate(spec))) is spec
