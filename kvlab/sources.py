@@ -75,7 +75,8 @@ def load_model(name: str | os.PathLike = DEFAULT_MODEL, dtype: torch.dtype = tor
     if looks_like_path(name):
         path = Path(name).expanduser()
         if not path.exists():
-            raise ModelError(f"no such model folder or GGUF file: {path}")
+            raise ModelError(f"no such model folder or GGUF file: {path} (kvlab reads local files only; it never "
+                             "downloads from a model hub)")
         with _quiet_transformers():
             if path.is_dir():
                 loaded = _load_folder(path, dtype)
