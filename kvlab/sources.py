@@ -21,6 +21,7 @@ A model kvlab cannot treat raises :class:`~kvlab.errors.UnsupportedModelError` n
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import io
 import os
@@ -28,12 +29,15 @@ from pathlib import Path
 
 import torch
 
-from .errors import ModelError, UnsupportedModelError
+from .errors import ModelError, UnsupportedModelError, UnsupportedRopeError
 from .identity import TOKENIZER_FILES
 from .models import (DEFAULT_MODEL, GGUF_MODELS, GGUFSpec, LoadedModel, _load_gguf, _quiet_transformers, _sha256_cached,
-                     cache_root, model_names)
+                     _sha256_file, cache_root, model_names)
 from .models import load_model as load_catalogue_model
 from .rope import find_rotary_module, layer_ropes, layer_types, rope_problem, rotate_keys
+
+#: Files at least this large have their sha256 remembered in the kvlab cache's index.
+INDEX_MIN_BYTES = 16 << 20
 
 #: Files of a model folder that decide what it computes, and so enter its digest. Docs,
 #: licences and ``generation_config.json`` (sampling defaults) do not change a KV cache.
@@ -190,7 +194,7 @@ def check_module(model: torch.nn.Module, what: str) -> None:
     """Refuse a model without a rotary embedding kvlab can read (a live model or a meta-device skeleton)."""
     try:
         find_rotary_module(model)
-    except Exception:  # noqa: BLE001 - kvlab's own UnsupportedRopeError, re-raised with the model's story
+    except UnsupportedRopeError:  # re-raised as a model error, with the model's own story
         raise UnsupportedModelError(_no_rope_reason(model, what)) from None
     try:
         layer_ropes(model)
@@ -292,8 +296,8 @@ def folder_files(folder: Path) -> list[Path]:
 def folder_digest(folder: Path) -> tuple[str, dict[str, str]]:
     """sha256 over a folder's :func:`folder_files`: one ``name<TAB>sha256`` line each, in name order.
 
-    Each file's sha256 is remembered by (path, size, mtime) in the kvlab cache, so a
-    second load hashes nothing.
+    Each large file's sha256 is remembered by (path, size, mtime) in the kvlab cache, so a
+    second load hashes only the small ones.
 
     Returns
     -------
@@ -301,7 +305,9 @@ def folder_digest(folder: Path) -> tuple[str, dict[str, str]]:
     files : dict
         File name -> its sha256.
     """
-    files = {p.name: _sha256_cached(p) for p in folder_files(folder)}
+    # Small files (configs, tokenizers, tiny weights) hash faster than the index is read and written.
+    files = {p.name: _sha256_cached(p) if p.stat().st_size >= INDEX_MIN_BYTES else _sha256_file(p)
+             for p in folder_files(folder)}
     h = hashlib.sha256(b"kvlab-folder-v1\n")
     for n in sorted(files):
         h.update(f"{n}\t{files[n]}\n".encode())
@@ -383,6 +389,11 @@ def _load_gguf_file(path: Path, dtype: torch.dtype) -> LoadedModel:
     if spec is not None:
         # The same bytes as a catalogue model: same conversion folder, same fingerprint.
         return _load_gguf(spec, dtype)
+    spec = GGUFSpec(name=path.stem, family="", package="", module="", filename=path.name, quantization="",
+                    install="", locate=lambda s: path, existing=lambda s: path)
+    if (cache_root() / "models" / f"{spec.name}-{sha[:16]}" / "kvlab-source.json").is_file():
+        # Converted before, so it passed the checks below then; its recorded source says the rest.
+        return _load_gguf(spec, dtype)
     quantization = gguf_quantization(path)
     try:
         # transformers' GGUF reader draws a tqdm bar no logging switch turns off.
@@ -392,6 +403,4 @@ def _load_gguf_file(path: Path, dtype: torch.dtype) -> LoadedModel:
         raise UnsupportedModelError(f"transformers cannot read {path} as a model: {e}") from None
     check_config(config, str(path))
     check_module(_skeleton(config), str(path))
-    spec = GGUFSpec(name=path.stem, family=config.model_type, package="", module="", filename=path.name,
-                    quantization=quantization, install="", locate=lambda s: path, existing=lambda s: path)
-    return _load_gguf(spec, dtype)
+    return _load_gguf(dataclasses.replace(spec, family=config.model_type, quantization=quantization), dtype)

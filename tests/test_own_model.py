@@ -365,6 +365,7 @@ def test_another_gguf_file_is_converted_under_its_own_sha256(tmp_path, monkeypat
     from kvlab.models import GGUF_MODELS, _sha256_file
 
     spec = GGUF_MODELS["smollm2-135m"]
+    monkeypatch.setenv("KVLAB_CACHE", str(tmp_path / "cache"))  # the copy's sha256 stays out of the shared index
     gguf = tmp_path / "my-smollm2.gguf"
     data = bytearray(spec.locate(spec).read_bytes())
     at = data.index(b"Smollm2 135M")
@@ -376,5 +377,10 @@ def test_another_gguf_file_is_converted_under_its_own_sha256(tmp_path, monkeypat
     got = seen["spec"]
     assert (got.name, got.filename, got.quantization, got.package) == ("my-smollm2", "my-smollm2.gguf", "Q4_1", "")
     assert got.locate(got) == gguf.resolve()
-    assert sources._catalogue_spec(gguf, _sha256_file(gguf)) is None
     assert sources._catalogue_spec(spec.locate(spec), _sha256_file(spec.locate(spec))) is spec
+    # Once converted, a load reads neither the GGUF header nor its config again.
+    done = tmp_path / "cache" / "models" / f"my-smollm2-{_sha256_file(gguf)[:16]}"
+    done.mkdir(parents=True)
+    (done / "kvlab-source.json").write_text("{}")
+    monkeypatch.setattr(sources, "gguf_quantization", None)  # any call fails
+    assert sources._load_gguf_file(gguf, torch.float32).name == "my-smollm2"
