@@ -74,7 +74,7 @@ def load_model(name: str | os.PathLike = DEFAULT_MODEL, dtype: torch.dtype = tor
         Unknown name, missing path, a folder without weights or tokenizer.
     UnsupportedModelError
         A model kvlab cannot treat (see :func:`check_config`, :func:`check_module`),
-        raised before the weights are read.
+        raised before the weights are read; or one failing :func:`check_rotation`.
     """
     if looks_like_path(name):
         path = Path(name).expanduser()
@@ -96,8 +96,9 @@ def load_model(name: str | os.PathLike = DEFAULT_MODEL, dtype: torch.dtype = tor
                          "or give a path to a Hugging Face model folder or a .gguf file")
     if device is not None:
         loaded.model.to(device)
-    if loaded.source.get("kind") != "tiny" and loaded.name not in GGUF_MODELS:
+    if not (loaded.source.get("kind") == "tiny" or loaded.source.get("package")):
         # Outside the catalogue (whose models the tests check), test the rotation before any merge.
+        # Decided by the source, not the name: a user's folder may well be called smollm2-135m.
         check_rotation(loaded)
     return loaded
 
@@ -128,6 +129,9 @@ def wrap(model: torch.nn.Module, tokenizer, name: str | None = None) -> LoadedMo
         raise ModelError(f"kvlab.wrap needs the model's tokenizer (callable, with .decode), got {type(tokenizer).__name__}")
     what = name or type(model).__name__
     check_config(config, what)
+    if not is_causal_class(type(model).__name__):
+        raise UnsupportedModelError(f"{what} is a {type(model).__name__}, not a causal LM with a next-token head; "
+                                    "wrap the ...ForCausalLM model")
     check_module(model, what)
     if model.training:
         raise ModelError(f"{what} is in training mode (dropout active), so its caches are random; call model.eval() "
@@ -146,6 +150,14 @@ def wrap(model: torch.nn.Module, tokenizer, name: str | None = None) -> LoadedMo
 # --------------------------------------------------------------------------- checks
 
 
+def is_causal_class(class_name: str) -> bool:
+    """Whether a transformers model class name is a causal LM (one with a next-token head)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    names = {c for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() for c in ([v] if isinstance(v, str) else v)}
+    return class_name in names or class_name.endswith(("ForCausalLM", "LMHeadModel"))
+
+
 def check_config(config, what: str) -> None:
     """Refuse, from the config alone, a model kvlab cannot treat.
 
@@ -158,8 +170,7 @@ def check_config(config, what: str) -> None:
 
     model_type = getattr(config, "model_type", None)
     archs = list(getattr(config, "architectures", None) or [])
-    causal_classes = {c for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() for c in ([v] if isinstance(v, str) else v)}
-    is_causal_arch = [a in causal_classes or a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs]
+    is_causal_arch = [is_causal_class(a) for a in archs]
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError(
             f"{what} is an encoder-decoder model ({model_type}): its decoder cache attends over an encoder's output, "

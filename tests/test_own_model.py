@@ -131,6 +131,11 @@ def test_wrapped_live_model():
     assert kvlab.wrap(base.model, base.tokenizer).name == "Qwen2ForCausalLM"
 
 
+def test_wrap_refuses_a_model_without_a_next_token_head():
+    with pytest.raises(kvlab.UnsupportedModelError, match="is a LlamaModel, not a causal LM"):
+        kvlab.wrap(tiny("tiny-llama").model.model, tiny("tiny-llama").tokenizer)
+
+
 def test_wrap_refuses_a_model_in_training_mode_without_changing_it():
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(TINY_CONFIGS["tiny-llama"][1]())
