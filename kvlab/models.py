@@ -338,3 +338,11 @@ def load_model(name: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32) ->
         return LoadedModel(model=model, tokenizer=tokenizer, name=name, config=config,
                            source={"name": name, "kind": "tiny", "description": TINY_CONFIGS[name][0]})
     raise ModelError(f"unknown model {name!r}; known models: {', '.join(model_names())}")
+
+
+# What kvlab.sources (models from paths and live objects) loads through: the same hashing,
+# the same once-per-file GGUF conversion and the same quiet transformers as the catalogue.
+sha256_file = _sha256_file
+sha256_cached = _sha256_cached
+load_gguf = _load_gguf
+quiet_transformers = _quiet_transformers

@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 
 from .errors import ModelError, UnsupportedModelError, UnsupportedRopeError
-from .identity import TOKENIZER_FILES
-from .models import (DEFAULT_MODEL, GGUF_MODELS, GGUFSpec, LoadedModel, _load_gguf, _quiet_transformers, _sha256_cached,
-                     _sha256_file, cache_root, model_names)
+from .digests import TOKENIZER_FILES
+from .models import (DEFAULT_MODEL, GGUF_MODELS, GGUFSpec, LoadedModel, cache_root, load_gguf, model_names,
+                     quiet_transformers, sha256_cached, sha256_file)
 from .models import load_model as load_catalogue_model
 from .rope import find_rotary_module, layer_ropes, layer_types, rope_problem, rotate_keys
 
@@ -81,7 +81,7 @@ def load_model(name: str | os.PathLike = DEFAULT_MODEL, dtype: torch.dtype = tor
         if not path.exists():
             raise ModelError(f"no such model folder or GGUF file: {path} (kvlab reads local files only; it never "
                              "downloads from a model hub)")
-        with _quiet_transformers():
+        with quiet_transformers():
             if path.is_dir():
                 loaded = _load_folder(path, dtype)
             elif path.suffix.lower() == ".gguf":
@@ -317,7 +317,7 @@ def folder_digest(folder: Path) -> tuple[str, dict[str, str]]:
         File name -> its sha256.
     """
     # Small files (configs, tokenizers, tiny weights) hash faster than the index is read and written.
-    files = {p.name: _sha256_cached(p) if p.stat().st_size >= INDEX_MIN_BYTES else _sha256_file(p)
+    files = {p.name: sha256_cached(p) if p.stat().st_size >= INDEX_MIN_BYTES else sha256_file(p)
              for p in folder_files(folder)}
     h = hashlib.sha256(b"kvlab-folder-v1\n")
     for n in sorted(files):
@@ -386,7 +386,7 @@ def _catalogue_spec(path: Path, sha: str) -> GGUFSpec | None:
             known = spec.existing(spec)
         except ModelError:
             continue
-        if known.is_file() and known.stat().st_size == size and _sha256_cached(known) == sha:
+        if known.is_file() and known.stat().st_size == size and sha256_cached(known) == sha:
             return spec
     return None
 
@@ -395,16 +395,16 @@ def _load_gguf_file(path: Path, dtype: torch.dtype) -> LoadedModel:
     from transformers import AutoConfig
 
     path = path.resolve()
-    sha = _sha256_cached(path)
+    sha = sha256_cached(path)
     spec = _catalogue_spec(path, sha)
     if spec is not None:
         # The same bytes as a catalogue model: same conversion folder, same fingerprint.
-        return _load_gguf(spec, dtype)
+        return load_gguf(spec, dtype)
     spec = GGUFSpec(name=path.stem, family="", package="", module="", filename=path.name, quantization="",
                     install="", locate=lambda s: path, existing=lambda s: path)
     if (cache_root() / "models" / f"{spec.name}-{sha[:16]}" / "kvlab-source.json").is_file():
         # Converted before, so it passed the checks below then; its recorded source says the rest.
-        return _load_gguf(spec, dtype)
+        return load_gguf(spec, dtype)
     quantization = gguf_quantization(path)
     try:
         # transformers' GGUF reader draws a tqdm bar no logging switch turns off.
@@ -414,4 +414,4 @@ def _load_gguf_file(path: Path, dtype: torch.dtype) -> LoadedModel:
         raise UnsupportedModelError(f"transformers cannot read {path} as a model: {e}") from None
     check_config(config, str(path))
     check_module(_skeleton(config), str(path))
-    return _load_gguf(dataclasses.replace(spec, family=config.model_type, quantization=quantization), dtype)
+    return load_gguf(dataclasses.replace(spec, family=config.model_type, quantization=quantization), dtype)

@@ -21,7 +21,7 @@ LAYERS = [
     {"errors", "atomic", "digests", "tiny"},
     {"models"},
     {"rope", "fragments"},
-    {"identity", "strategies", "merge", "recompute", "repro", "catalog", "cacheformat", "cachefile"},
+    {"identity", "strategies", "merge", "recompute", "repro", "catalog", "cacheformat", "cachefile", "sources"},
     {"references", "case", "metrics", "fidelity", "mismatch", "records"},
     {"plots", "explorer", "report", "check", "sweep", "cli"},
 ]

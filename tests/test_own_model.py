@@ -367,7 +367,8 @@ def test_another_gguf_file_is_converted_under_its_own_sha256(tmp_path, monkeypat
     """A GGUF that is not the catalogue's file (here SmolLM2's with one header byte changed) gets its own name,
     sha256 and quantization; the conversion itself is the catalogue's (checked above), so it is not rerun here."""
     from kvlab import sources
-    from kvlab.models import GGUF_MODELS, _sha256_file
+    from kvlab.models import GGUF_MODELS
+    from kvlab.models import sha256_file as _sha256_file
 
     spec = GGUF_MODELS["smollm2-135m"]
     monkeypatch.setenv("KVLAB_CACHE", str(tmp_path / "cache"))  # the copy's sha256 stays out of the shared index
@@ -377,7 +378,7 @@ def test_another_gguf_file_is_converted_under_its_own_sha256(tmp_path, monkeypat
     data[at] = ord("s")  # general.name: same length, so the file stays valid
     gguf.write_bytes(bytes(data))
     seen = {}
-    monkeypatch.setattr(sources, "_load_gguf", lambda s, dtype: seen.setdefault("spec", s))
+    monkeypatch.setattr(sources, "load_gguf", lambda s, dtype: seen.setdefault("spec", s))
     sources._load_gguf_file(gguf, torch.float32)
     got = seen["spec"]
     assert (got.name, got.filename, got.quantization, got.package) == ("my-smollm2", "my-smollm2.gguf", "Q4_1", "")
