@@ -22,8 +22,24 @@ README = (ROOT / "README.md").read_text()
 KVLAB = [sys.executable, "-m", "kvlab.cli"]
 
 
+def _fenced() -> list[tuple[str, str]]:
+    """``(language, text)`` of every fenced block, in order (an opening fence names its language)."""
+    blocks, lang, body = [], None, []
+    for line in README.splitlines():
+        if line.startswith("```"):
+            if lang is None:
+                lang, body = line[3:].strip(), []
+            else:
+                blocks.append((lang, "\n".join(body) + "\n"))
+                lang = None
+        elif lang is not None:
+            body.append(line)
+    assert lang is None, "README ends inside a fenced block"
+    return blocks
+
+
 def _blocks(lang: str) -> list[str]:
-    return re.findall(rf"```{lang}\n(.*?)```", README, flags=re.S)
+    return [text for block_lang, text in _fenced() if block_lang == lang]
 
 
 def readme_commands() -> list[str]:
