@@ -5,8 +5,9 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 STAMP := $(VENV)/.kvlab-setup
 GEMMA_STAMP := $(VENV)/.kvlab-gemma
+PEERS_STAMP := $(VENV)/.kvlab-peers
 
-.PHONY: setup gemma prepare prepare-all report test bench study clean
+.PHONY: setup gemma peers prepare prepare-all report test bench study clean
 
 setup: $(STAMP)
 
@@ -33,11 +34,24 @@ prepare: setup
 prepare-all: setup gemma
 	$(VENV)/bin/kvlab models --prepare smollm2-135m gemma3-270m
 
-report: prepare
+# llama.cpp beside kvlab (kvlab.peers, notebook 06). PyPI has only the source of
+# llama-cpp-python, so pip compiles llama.cpp here (about 8 CPU-minutes: 4-5 minutes on two
+# idle cores; pip's wheel cache makes later installs take seconds). LLAVA_BUILD=OFF skips the
+# multimodal library (mtmd), which kvlab never loads; LLAMA_OPENSSL=OFF drops the
+# model-download code of llama.cpp's common library (and the need for OpenSSL headers):
+# nothing here downloads. llama.cpp's tools, tests, examples and server are already off when
+# it is built as a subproject.
+peers: $(PEERS_STAMP)
+$(PEERS_STAMP): $(STAMP)
+	CMAKE_ARGS="-DLLAVA_BUILD=OFF -DLLAMA_OPENSSL=OFF" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PIP) install -e '.[peers]'
+	touch $@
+
+# Notebook 06 runs llama.cpp and reads a state file with the other real model.
+report: prepare-all peers
 	$(VENV)/bin/kvlab report --out reports
 
 # nbval re-runs every notebook and compares its printed numbers with the stored run.
-test: prepare-all
+test: prepare-all peers
 	sh scripts/install-browser.sh
 	MPLBACKEND=Agg $(VENV)/bin/python -m pytest -q -rs -p no:cacheprovider tests notebooks \
 		--nbval --nbval-sanitize-with notebooks/sanitize.cfg

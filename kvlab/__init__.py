@@ -41,3 +41,9 @@ __all__ += ["RecordError", "read_records", "record"]
 from .sweep.study import StudyError, load_study
 
 __all__ += ["StudyError", "load_study"]
+
+# llama.cpp beside kvlab (issue 15): kvlab.peers imports llama-cpp-python only when used.
+from .errors import PeerError
+from .models import load_gguf_file
+
+__all__ += ["PeerError", "load_gguf_file"]

@@ -46,3 +46,7 @@ class FingerprintMismatch(KvlabError):
 
 class CacheFileError(KvlabError):
     """A cache file cannot be read or written: missing, corrupt, truncated, tampered, or not a kvlab cache."""
+
+
+class PeerError(KvlabError):
+    """A peer engine (llama.cpp) is missing, cannot load a file, refuses an operation, or cannot be mapped to a kvlab model."""

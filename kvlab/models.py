@@ -294,7 +294,50 @@ def _load_gguf(spec: GGUFSpec, dtype: torch.dtype) -> LoadedModel:
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     source = json.loads((folder / "kvlab-source.json").read_text())
     source["folder"] = str(folder)
+    source["gguf_path"] = str(gguf)
     return LoadedModel(model=model, tokenizer=tokenizer, name=spec.name, config=model.config, source=source)
+
+
+def _gguf_file_type(path: Path) -> str:
+    """The GGUF's ``general.file_type`` as a name (``Q4_0``, ``Q4_K_M`` ...), or ``unknown``."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    field = reader.get_field("general.file_type")
+    if field is None:
+        return "unknown"
+    value = int(field.parts[field.data[0]][0])
+    try:
+        return gguf.LlamaFileType(value).name.removeprefix("MOSTLY_")
+    except ValueError:
+        return f"file_type {value}"
+
+
+def load_gguf_file(path, name: str | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load any GGUF file the way the catalogue models load (fp32, conversion cached by sha256).
+
+    For files kvlab does not ship, e.g. a requantisation made by llama.cpp
+    (:func:`kvlab.peers.requantize`). Its fingerprint's source is ``gguf:file/<file name>``
+    with the file's sha256, so two files that differ in any byte are different producers.
+
+    Parameters
+    ----------
+    path : str or Path
+        The GGUF file.
+    name : str, optional
+        kvlab name of the model (default ``gguf-<file stem>``).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ModelError(f"no GGUF file at {path}")
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ModelError(f"{path} is not a GGUF file (it does not start with b'GGUF')")
+    spec = GGUFSpec(name=name or f"gguf-{path.stem}", family="file", package="file", module="",
+                    filename=path.name, quantization=_gguf_file_type(path), install=f"(a local file: {path})",
+                    locate=lambda _spec: path, existing=lambda _spec: path)
+    with _quiet_transformers():
+        return _load_gguf(spec, dtype)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,424 @@
+"""kvlab beside llama.cpp on the same GGUF file: conversion fidelity, merges, state files.
+
+Every measure feeds both engines the same token ids (kvlab's tokenizer) and compares
+next-token distributions with ``KL(p || q)`` in nats, float64 over the full vocabulary.
+Means carry a 95% bootstrap interval over probes (2000 resamples, seed 0).
+"""
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import FingerprintMismatch, PeerError
+from ..models import GGUF_MODELS, LoadedModel
+from .llama_cpp import LlamaEngine
+
+#: Prompts for conversion fidelity: varied topics and lengths, each read from BOS.
+CONVERSION_PROBES = [
+    "The capital of France is",
+    "Water boils at a temperature of",
+    "def fibonacci(n):\n    if n <",
+    "The lighthouse keeper counted the ships and wrote their names in a",
+    "Once upon a time, in a small village by the sea, there lived an old",
+    "Photosynthesis turns sunlight, water and carbon dioxide into",
+    "1, 2, 3, 5, 8, 13,",
+    "The most important rule of the kitchen is to always",
+    "In 1969, the first people to walk on the Moon were",
+    "She opened the letter, read the first line, and",
+    "A prime number is a number that",
+    "The train to Bergen leaves from platform",
+]
+
+
+# ---------------------------------------------------------------------------- mapping
+
+
+def gguf_path(name: str) -> Path:
+    """The GGUF file llama.cpp runs for a kvlab model name.
+
+    Raises
+    ------
+    PeerError
+        For a model with no GGUF file (the tiny models are built from a config in memory).
+    ModelError
+        When the model's package is not installed (the message says how to install it).
+    """
+    from ..tiny import TINY_CONFIGS
+
+    if name in TINY_CONFIGS:
+        raise PeerError(f"cannot map {name!r} to llama.cpp: tiny models are built from a config in memory and have "
+                        f"no GGUF file; the models kvlab can run in llama.cpp are {', '.join(GGUF_MODELS)}")
+    if name not in GGUF_MODELS:
+        raise PeerError(f"cannot map {name!r} to llama.cpp: unknown model; the models kvlab can run in llama.cpp "
+                        f"are {', '.join(GGUF_MODELS)}")
+    spec = GGUF_MODELS[name]
+    return spec.locate(spec)
+
+
+def model_gguf(model: LoadedModel) -> Path:
+    """The GGUF file whose weights ``model`` holds (dequantised), or :class:`PeerError`."""
+    src = model.source or {}
+    if src.get("kind") == "tiny" or not src.get("gguf_file"):
+        return gguf_path(model.name)
+    if src.get("derived"):
+        raise PeerError(f"cannot map {model.name!r} to llama.cpp: it is a derived variant ({src['derived']}) whose "
+                        "weights are no longer those of its GGUF file")
+    if src.get("gguf_path"):
+        return Path(src["gguf_path"])
+    return gguf_path(model.name)
+
+
+def check_vocab(model: LoadedModel, engine: LlamaEngine) -> None:
+    """Refuse a pairing whose logits do not index the same vocabulary."""
+    n_kvlab = model.model.get_output_embeddings().weight.shape[0]
+    if n_kvlab != engine.n_vocab:
+        raise PeerError(f"vocabularies differ: kvlab's {model.name} has {n_kvlab} output tokens, llama.cpp's "
+                        f"{engine.path.name} has {engine.n_vocab}; token ids cannot be shared")
+
+
+def engine_for(model: LoadedModel, **options) -> LlamaEngine:
+    """A :class:`LlamaEngine` on the GGUF file ``model`` was converted from, vocabulary checked.
+
+    ``options`` go to :class:`LlamaEngine` (``n_ctx``, ``kv_type``, ``swa_full`` ...).
+    """
+    engine = LlamaEngine(model_gguf(model), **options)
+    try:
+        check_vocab(model, engine)
+    except PeerError:
+        engine.close()
+        raise
+    return engine
+
+
+def _bos(model: LoadedModel) -> bool:
+    return model.tokenizer.bos_token_id is not None
+
+
+def _ids(model: LoadedModel, text: str, bos: bool = False) -> torch.Tensor:
+    from ..fragments import tokenize
+
+    return tokenize(model, text, bos=bos and _bos(model))
+
+
+@torch.inference_mode()
+def kvlab_log_probs(model: LoadedModel, ids: torch.Tensor) -> torch.Tensor:
+    """``[vocab]`` float64 next-token log-probs of kvlab's model after ``[L]`` ids from position 0."""
+    logits = model.model(input_ids=ids[None].to(model.device), logits_to_keep=1).logits[0, -1]
+    return torch.log_softmax(logits.double(), -1)
+
+
+def kl(lp: torch.Tensor, lq: torch.Tensor) -> float:
+    """``KL(p || q)`` in nats of two ``[vocab]`` float64 log-probability vectors (clamped at 0)."""
+    return max(float((lp.exp() * (lp - lq)).sum()), 0.0)
+
+
+def bootstrap_ci(values, n: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% percentile bootstrap interval of the mean of ``values``."""
+    v = np.asarray(values, dtype=np.float64)
+    if len(v) < 2:
+        return (float(v.mean()), float(v.mean())) if len(v) else (float("nan"), float("nan"))
+    rng = np.random.default_rng(seed)
+    means = v[rng.integers(0, len(v), size=(n, len(v)))].mean(1)
+    return float(np.quantile(means, 0.025)), float(np.quantile(means, 0.975))
+
+
+# ---------------------------------------------------------------------------- conversion fidelity
+
+
+@dataclass
+class ConversionFidelity:
+    """kvlab's fp32 dequantised model against llama.cpp running the same GGUF.
+
+    Attributes
+    ----------
+    kl_mean, kl_ci, kl_max : float, (float, float), float
+        ``KL(p_llama.cpp || p_kvlab)`` of the next token after each probe, nats.
+    top1 : float
+        Fraction of probes whose most likely next token agrees.
+    kl_f32kv_mean : float or None
+        The same KL with llama.cpp's KV cache in f32 instead of its default f16: what
+        remains is the quantised matmuls (activations rounded to 8 bits for the integer
+        dot products with the 4-bit weights) and summation order.
+    same_ids : float
+        Fraction of probes that llama.cpp's own tokenizer splits into the same ids as kvlab's.
+    rows : list of dict
+        Per probe: ``probe``, ``tokens``, ``kl``, ``kl_f32kv``, ``top1_llama``, ``top1_kvlab``, ``agree``, ``same_ids``.
+    """
+
+    model: str
+    gguf: str
+    desc: str
+    n: int
+    kl_mean: float
+    kl_ci: tuple[float, float]
+    kl_max: float
+    top1: float
+    kl_f32kv_mean: float | None
+    kl_f32kv_ci: tuple[float, float] | None
+    same_ids: float
+    rows: list[dict] = field(default_factory=list, repr=False)
+
+
+def conversion_fidelity(model: LoadedModel, probes: list[str] | None = None, *, f32_kv: bool = True,
+                        n_threads: int | None = None) -> ConversionFidelity:
+    """How close kvlab's dequantised fp32 model comes to llama.cpp on the GGUF it came from.
+
+    Parameters
+    ----------
+    model : LoadedModel
+        A GGUF-backed kvlab model (``smollm2-135m``, ``gemma3-270m`` or :func:`kvlab.models.load_gguf_file`).
+    probes : list of str
+        Prompts, each read from BOS (default :data:`CONVERSION_PROBES`).
+    f32_kv : bool
+        Also run llama.cpp with an f32 KV cache, to separate the cache's rounding from the matmuls'.
+    """
+    probes = probes or CONVERSION_PROBES
+    rows = []
+    with engine_for(model, n_ctx=512, n_seq_max=1, n_threads=n_threads) as eng:
+        f32 = engine_for(model, n_ctx=512, n_seq_max=1, n_threads=n_threads, kv_type="f32") if f32_kv else None
+        try:
+            for probe in probes:
+                ids = _ids(model, probe, bos=True)
+                lq = kvlab_log_probs(model, ids)
+                eng.prefill(ids)
+                lp = eng.log_probs()
+                row = {"probe": probe, "tokens": len(ids), "kl": kl(lp, lq),
+                       "top1_llama": model.tokenizer.decode([int(lp.argmax())]),
+                       "top1_kvlab": model.tokenizer.decode([int(lq.argmax())]), "agree": int(lp.argmax()) == int(lq.argmax()),
+                       "same_ids": eng.tokenize(probe) == _ids(model, probe).tolist(), "kl_f32kv": None}
+                if f32 is not None:
+                    f32.prefill(ids)
+                    row["kl_f32kv"] = kl(f32.log_probs(), lq)
+                rows.append(row)
+            desc = eng.info.desc
+        finally:
+            if f32 is not None:
+                f32.close()
+    kls = [r["kl"] for r in rows]
+    kf = [r["kl_f32kv"] for r in rows] if f32_kv else None
+    return ConversionFidelity(
+        model=model.name, gguf=Path(eng.path).name, desc=desc, n=len(rows), kl_mean=float(np.mean(kls)),
+        kl_ci=bootstrap_ci(kls), kl_max=max(kls), top1=sum(r["agree"] for r in rows) / len(rows),
+        kl_f32kv_mean=float(np.mean(kf)) if kf else None, kl_f32kv_ci=bootstrap_ci(kf) if kf else None,
+        same_ids=sum(r["same_ids"] for r in rows) / len(rows), rows=rows,
+    )
+
+
+# ---------------------------------------------------------------------------- merges
+
+
+@dataclass
+class MergeRow:
+    """One merge method against its own engine's joined prefill (or another reference).
+
+    ``kls``: per-probe ``KL(p_reference || p_merged)`` in nats; ``top1``: fraction agreeing.
+    """
+
+    engine: str
+    method: str
+    reference: str
+    kls: list[float]
+    top1: float
+    kl_mean: float = 0.0
+    kl_ci: tuple[float, float] = (0.0, 0.0)
+    kl_max: float = 0.0
+
+    def __post_init__(self):
+        self.kl_mean = float(np.mean(self.kls))
+        self.kl_ci = bootstrap_ci(self.kls)
+        self.kl_max = float(max(self.kls))
+
+    def row(self) -> dict:
+        return {"engine": self.engine, "method": self.method, "reference": self.reference, "kl_mean": self.kl_mean,
+                "kl_lo": self.kl_ci[0], "kl_hi": self.kl_ci[1], "kl_max": self.kl_max, "top1": self.top1}
+
+
+def _compare(engine, method, reference, lps, lqs) -> MergeRow:
+    return MergeRow(engine, method, reference, [kl(p, q) for p, q in zip(lps, lqs, strict=True)],
+                    sum(int(p.argmax()) == int(q.argmax()) for p, q in zip(lps, lqs)) / len(lps))
+
+
+def merge_side_by_side(model: LoadedModel, texts: list[str], probes: list[str], *, ratio: float = 0.15,
+                       engine: LlamaEngine | None = None) -> list[MergeRow]:
+    """llama.cpp's shift-merge and kvlab's merges, each against its own engine's joined prefill.
+
+    The fragments are ``texts`` tokenised by kvlab (the first with BOS), each prefilled
+    alone from position 0, and the same ids go to llama.cpp. Rows:
+
+    * llama.cpp ``shift`` (what ``--cache-reuse`` does) and ``phase`` (each fragment decoded
+      at its landing positions: no rotation, same missing context) against llama.cpp's
+      joined prefill, and ``shift`` against ``phase`` (the K-shift's own error);
+    * kvlab ``naive``, ``rerotate`` and ``recompute`` (``ratio``) against kvlab's joined prefill;
+    * ``joined`` across engines: llama.cpp's joined prefill against kvlab's (the conversion gap
+      on these texts, the floor under any cross-engine comparison).
+    """
+    import kvlab
+
+    if len(texts) < 2:
+        raise PeerError("a merge needs at least two fragment texts")
+    frags = [kvlab.prefill(model, t, bos=(i == 0 and _bos(model))) for i, t in enumerate(texts)]
+    ids = [f.token_ids for f in frags]
+    probe_ids = [_ids(model, p) for p in probes]
+    own = engine is None
+    eng = engine or engine_for(model, n_ctx=max(512, 2 * (sum(map(len, ids)) + max(map(len, probe_ids)))),
+                               n_seq_max=len(frags))
+    try:
+        eng.prefill(torch.cat(ids))
+        joined = [eng.read(p) for p in probe_ids]
+        eng.shift_merge(ids)
+        shifted = [eng.read(p) for p in probe_ids]
+        eng.phase_merge(ids)
+        phase = [eng.read(p) for p in probe_ids]
+    finally:
+        if own:
+            eng.close()
+    rows = [_compare("llama.cpp", "shift", "joined", joined, shifted),
+            _compare("llama.cpp", "phase", "joined", joined, phase),
+            _compare("llama.cpp", "shift", "phase", phase, shifted)]
+    ref = kvlab.FidelityReference(model, kvlab.joined_prefill(model, frags).cache)
+    k_joined = [ref.read(p, 0)[0] for p in probes]
+    for strategy, opts in (("naive", {}), ("rerotate", {}), ("recompute", {"ratio": ratio})):
+        fid = kvlab.fidelity(model, frags, strategy, probes=probes, greedy_tokens=0, reference=ref, **opts)
+        rows.append(MergeRow("kvlab", strategy + (f" r={ratio}" if opts else ""), "joined",
+                             [r["kl"] for r in fid.probes], fid.top1))
+    rows.append(_compare("both", "joined", "llama.cpp joined", joined, k_joined))
+    return rows
+
+
+def format_rows(rows) -> str:
+    """A plain-text table of :class:`MergeRow` rows."""
+    head = f"{'engine':<10} {'method':<16} {'reference':<17} {'KL mean':>8} {'95% CI':>17} {'KL max':>8} {'top-1':>6}"
+    out = [head, "-" * len(head)]
+    for r in rows:
+        out.append(f"{r.engine:<10} {r.method:<16} {r.reference:<17} {r.kl_mean:>8.4f} "
+                   f"[{r.kl_ci[0]:.4f}, {r.kl_ci[1]:.4f}] {r.kl_max:>8.4f} {r.top1:>6.2f}")
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------- identity
+
+
+@dataclass
+class StateLoad:
+    """What llama.cpp did when a reader model was given a producer's state file.
+
+    ``accepted``: llama.cpp loaded it; ``said``: llama.cpp's reason when it refused;
+    ``kls``: per probe ``KL(p_own || p_foreign)``, the reader behind its own prefill of the
+    same tokens against behind the loaded file (empty when refused or vocabularies differ);
+    ``flips``: probes whose top-1 token changed.
+    """
+
+    file: str  # "state" (llama_state_save_file, a session file) or "seq" (llama_state_seq_save_file)
+    reader: str
+    reader_desc: str
+    accepted: bool
+    said: str = ""
+    kls: list[float] = field(default_factory=list)
+    flips: int = 0
+
+    @property
+    def kl_mean(self) -> float | None:
+        return float(np.mean(self.kls)) if self.kls else None
+
+    @property
+    def kl_max(self) -> float | None:
+        return float(max(self.kls)) if self.kls else None
+
+
+def state_file_study(model: LoadedModel, text: str, probes: list[str], readers: dict[str, Path],
+                     workdir) -> list[StateLoad]:
+    """Write llama.cpp state files from ``model``'s GGUF and offer them to each reader GGUF.
+
+    Parameters
+    ----------
+    readers : dict of str to Path
+        Reader name to GGUF file (e.g. the producer itself, a requantisation, another model).
+    workdir : path
+        Where the state files are written.
+    """
+    workdir = Path(workdir)
+    ids = _ids(model, text, bos=True)
+    probe_ids = [_ids(model, p) for p in probes]
+    files = {}
+    with engine_for(model, n_ctx=1024, n_seq_max=1) as prod:
+        prod.prefill(ids)
+        files["state"] = prod.save_state(workdir / "producer.state", ids)
+        files["seq"] = prod.save_seq_state(workdir / "producer.seq", ids)
+        n_vocab = prod.n_vocab
+    out = []
+    for name, path in readers.items():
+        with LlamaEngine(path, n_ctx=1024, n_seq_max=1) as reader:
+            own = None
+            if reader.n_vocab == n_vocab:
+                reader.prefill(ids)
+                own = [reader.read(p) for p in probe_ids]
+            for kind, f in files.items():
+                reader.clear()
+                try:
+                    (reader.load_state if kind == "state" else reader.load_seq_state)(f)
+                except PeerError as e:
+                    out.append(StateLoad(kind, name, reader.info.desc, False, said=str(e).split(": ", 1)[-1]))
+                    continue
+                row = StateLoad(kind, name, reader.info.desc, True)
+                if own is not None:
+                    foreign = [reader.read(p) for p in probe_ids]
+                    row.kls = [kl(a, b) for a, b in zip(own, foreign)]
+                    row.flips = sum(int(a.argmax()) != int(b.argmax()) for a, b in zip(own, foreign))
+                out.append(row)
+    return out
+
+
+def kvlab_refusals(model: LoadedModel, text: str, readers: dict[str, LoadedModel], workdir) -> dict[str, list[str] | None]:
+    """kvlab's answer to the same pairs: save a cache file from ``model``, load it into each reader.
+
+    Returns, per reader, the list of differing strict fingerprint fields (``None`` if it loaded).
+    """
+    import kvlab
+
+    path = kvlab.save_cache(Path(workdir) / "producer.kvcache", kvlab.prefill(model, text, bos=_bos(model)), model)
+    out = {}
+    for name, reader in readers.items():
+        try:
+            kvlab.load_cache(path, reader)
+            out[name] = None
+        except FingerprintMismatch as e:
+            out[name] = [d.field for d in e.differences]
+    return out
+
+
+# ---------------------------------------------------------------------------- summary
+
+
+def peer_table(model: LoadedModel, texts: list[str] | None = None, probes: list[str] | None = None) -> str:
+    """The side-by-side tables ``kvlab peers`` prints: conversion fidelity, then merges."""
+    from ..check import DEFAULT_PROBES, DEFAULT_TEXTS
+
+    conv = conversion_fidelity(model)
+    lines = [f"kvlab {model.name} (fp32, dequantised) against llama.cpp on {conv.gguf} ({conv.desc})",
+             f"conversion: KL(llama.cpp || kvlab) mean {conv.kl_mean:.4f} nats [95% CI {conv.kl_ci[0]:.4f}, "
+             f"{conv.kl_ci[1]:.4f}], max {conv.kl_max:.4f}, top-1 agree {conv.top1:.2f}, n={conv.n} prompts; "
+             f"with an f32 KV cache in llama.cpp {conv.kl_f32kv_mean:.4f}; same token ids {conv.same_ids:.2f}",
+             "", "merges: next-token KL (nats) against each engine's own joined prefill"]
+    rows = merge_side_by_side(model, texts or DEFAULT_TEXTS, probes or DEFAULT_PROBES)
+    lines.append(format_rows(rows))
+    return "\n".join(lines)
+
+
+def temp_workdir() -> Path:
+    """A fresh folder for state files under ``$KVLAB_CACHE/peers``."""
+    from ..models import cache_root
+
+    root = cache_root() / "peers"
+    root.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(dir=root, prefix="work-"))
+
+
+__all__ = [
+    "CONVERSION_PROBES", "ConversionFidelity", "MergeRow", "StateLoad", "bootstrap_ci", "check_vocab",
+    "conversion_fidelity", "engine_for", "format_rows", "gguf_path", "kl", "kvlab_log_probs", "kvlab_refusals",
+    "merge_side_by_side", "model_gguf", "peer_table", "state_file_study", "temp_workdir",
+]

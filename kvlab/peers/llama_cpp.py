@@ -1,0 +1,517 @@
+"""llama.cpp as a peer engine: the same GGUF file, run by the engine it was made for.
+
+The glue talks to llama.cpp through llama-cpp-python's low-level API (ctypes bindings of
+``llama.h``): batches of token ids on numbered sequences, next-token logits, the memory
+calls that shift and copy cached sequences, state files and requantisation.
+``llama_cpp`` is imported on first use only, so kvlab itself never needs it; without the
+``peers`` extra every entry point raises :class:`kvlab.PeerError` saying how to install it.
+
+Both engines get the *same token ids*: kvlab's tokenizer makes them, llama.cpp is fed ids,
+never text, so a difference between the engines is never a tokenisation difference.
+"""
+from __future__ import annotations
+
+import collections
+import ctypes
+import os
+import shutil
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import PeerError
+
+INSTALL_HINT = ("llama.cpp comparisons need the `peers` extra (llama-cpp-python==0.3.36, which compiles "
+                "llama.cpp from source: about 6 minutes on 2 cores): pip install -e '.[peers]'   or: make peers")
+
+_LIB = None
+_LIB_LOCK = threading.Lock()
+# llama.cpp's warnings and errors, kept so a refusal can say what llama.cpp said; nothing is
+# printed (notebooks must store no stderr). Info and debug lines are dropped.
+_LOG: collections.deque[str] = collections.deque(maxlen=64)
+_LOG_CALLBACK = None  # the ctypes callback must outlive every call into llama.cpp
+_LAST_LEVEL = [0]
+
+
+def _on_log(level: int, text: bytes, _user) -> None:
+    # ggml levels: 1 debug, 2 info, 3 warn, 4 error, 5 continuation of the previous line.
+    try:
+        if level == 5:
+            level = _LAST_LEVEL[0]
+        _LAST_LEVEL[0] = level
+        if level >= 3 and text:
+            line = text.decode("utf-8", "replace").strip()
+            if line:
+                _LOG.append(line)
+    except Exception:  # noqa: BLE001 (an exception must never cross back into C)
+        pass
+
+
+def _import_llama_cpp():
+    import llama_cpp  # noqa: PLC0415 (optional extra)
+
+    return llama_cpp
+
+
+def lib():
+    """The ``llama_cpp`` module, imported once, with llama.cpp's logging captured, not printed.
+
+    Raises
+    ------
+    PeerError
+        When llama-cpp-python is not installed (the message says how to install it).
+    """
+    global _LIB, _LOG_CALLBACK
+    if _LIB is not None:
+        return _LIB
+    with _LIB_LOCK:
+        if _LIB is None:
+            try:
+                mod = _import_llama_cpp()
+            except ImportError as e:
+                raise PeerError(f"{INSTALL_HINT} ({e})") from e
+            _LOG_CALLBACK = mod.llama_log_callback(_on_log)
+            mod.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
+            mod.llama_backend_init()
+            _LIB = mod
+    return _LIB
+
+
+def available() -> bool:
+    """Whether llama-cpp-python is installed (without importing it)."""
+    import importlib.util
+
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def _said(since: int) -> str:
+    lines = list(_LOG)[since:] if since <= len(_LOG) else list(_LOG)
+    return "; ".join(lines) if lines else "(llama.cpp logged no reason)"
+
+
+def log_since(mark: int) -> list[str]:
+    """llama.cpp's warning and error lines logged after ``mark`` (see :func:`log_mark`)."""
+    return list(_LOG)[mark:]
+
+
+def log_mark() -> int:
+    """A position in llama.cpp's captured log; drop the old lines first so positions stay valid."""
+    _LOG.clear()
+    return 0
+
+
+def check_gguf_file(path) -> Path:
+    """``path`` as a Path if it is a readable GGUF file, else :class:`PeerError` naming what is wrong."""
+    path = Path(path)
+    if not path.exists():
+        raise PeerError(f"no GGUF file at {path}: the path does not exist")
+    if not path.is_file():
+        raise PeerError(f"{path} is not a file (a GGUF model file was expected)")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise PeerError(f"{path} is not a GGUF file: it starts with {magic!r}, not b'GGUF'")
+    return path
+
+
+KV_TYPES = {"f16": 1, "f32": 0}  # ggml_type ids of the KV cache element types offered here
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What llama.cpp reports about a loaded GGUF model.
+
+    ``desc`` is llama.cpp's one-line description (architecture, size, file type).
+    """
+
+    path: str
+    arch: str
+    desc: str
+    n_layer: int
+    n_head_kv: int
+    n_embd: int
+    n_swa: int
+    n_vocab: int
+    n_ctx_train: int
+
+
+class LlamaEngine:
+    """One GGUF model and one llama.cpp context, driven by token ids.
+
+    Parameters
+    ----------
+    path : str or Path
+        The GGUF file.
+    n_ctx : int
+        Context size in tokens, shared by all sequences (the cache is unified, as in
+        llama.cpp's server, so copying a sequence into another is bookkeeping only).
+    n_seq_max : int
+        Number of sequence ids the context accepts (one per fragment of a merge).
+    n_threads : int, optional
+        Threads for decoding (default: torch's thread count).
+    kv_type : {"f16", "f32"}
+        Element type of the KV cache; llama.cpp's default is f16.
+    swa_full : bool
+        Keep every token in sliding-window layers (llama.cpp's library default). The server
+        sets it False, keeping only the window, which is what makes it refuse cache reuse.
+    n_batch : int
+        Tokens per ``llama_decode`` call (longer inputs are split).
+
+    Notes
+    -----
+    A sequence's positions must follow on from its current maximum: llama.cpp refuses a
+    batch that starts elsewhere. Every call that llama.cpp refuses raises
+    :class:`kvlab.PeerError` with what llama.cpp logged.
+    """
+
+    def __init__(self, path, *, n_ctx: int = 4096, n_seq_max: int = 4, n_threads: int | None = None,
+                 kv_type: str = "f16", swa_full: bool = True, n_batch: int = 512):
+        path = check_gguf_file(path)
+        L = lib()
+        if kv_type not in KV_TYPES:
+            raise PeerError(f"kv_type must be one of {sorted(KV_TYPES)}, got {kv_type!r}")
+        self._model = self._ctx = self._batch = None
+        self.path = path
+        mark = log_mark()
+        mparams = L.llama_model_default_params()
+        model = L.llama_model_load_from_file(str(path).encode(), mparams)
+        if not model:
+            raise PeerError(f"llama.cpp could not load {path}: {_said(mark)}")
+        self._model = model
+        self.vocab = L.llama_model_get_vocab(model)
+        self.n_vocab = int(L.llama_vocab_n_tokens(self.vocab))
+        self.n_batch = int(n_batch)
+        self.n_threads = int(n_threads or torch.get_num_threads())
+        cparams = L.llama_context_default_params()
+        cparams.n_ctx = int(n_ctx)
+        cparams.n_batch = cparams.n_ubatch = self.n_batch
+        cparams.n_seq_max = int(n_seq_max)
+        cparams.n_threads = cparams.n_threads_batch = self.n_threads
+        cparams.kv_unified = True
+        cparams.swa_full = bool(swa_full)
+        cparams.type_k = cparams.type_v = KV_TYPES[kv_type]
+        cparams.no_perf = True
+        ctx = L.llama_init_from_model(model, cparams)
+        if not ctx:
+            self.close()
+            raise PeerError(f"llama.cpp could not create a context for {path} (n_ctx={n_ctx}, "
+                            f"n_seq_max={n_seq_max}, kv_type={kv_type}): {_said(mark)}")
+        self._ctx = ctx
+        self.n_ctx = int(L.llama_n_ctx(ctx))
+        self.n_seq_max = int(n_seq_max)
+        self.kv_type, self.swa_full = kv_type, bool(swa_full)
+        self._mem = L.llama_get_memory(ctx)
+        self._batch = L.llama_batch_init(self.n_batch, 0, 1)
+        buf = ctypes.create_string_buffer(256)
+        L.llama_model_desc(model, buf, len(buf))
+        arch = ctypes.create_string_buffer(64)
+        L.llama_model_meta_val_str(model, b"general.architecture", arch, len(arch))
+        self.info = EngineInfo(
+            path=str(path), arch=arch.value.decode(), desc=buf.value.decode(),
+            n_layer=int(L.llama_model_n_layer(model)), n_head_kv=int(L.llama_model_n_head_kv(model)),
+            n_embd=int(L.llama_model_n_embd(model)), n_swa=int(L.llama_model_n_swa(model)),
+            n_vocab=self.n_vocab, n_ctx_train=int(L.llama_model_n_ctx_train(model)),
+        )
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Free the context and the model (idempotent)."""
+        L = _LIB
+        if L is None:
+            return
+        if self._batch is not None:
+            L.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx:
+            L.llama_free(self._ctx)
+            self._ctx = None
+        if self._model:
+            L.llama_model_free(self._model)
+            self._model = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 (interpreter shutdown)
+            pass
+
+    def _live(self):
+        if not self._ctx:
+            raise PeerError(f"the llama.cpp engine for {self.path.name} is closed")
+        return _LIB
+
+    # ------------------------------------------------------------------ sequences
+    def clear(self) -> None:
+        """Empty the KV cache (all sequences)."""
+        self._live().llama_memory_clear(self._mem, True)
+
+    def pos_max(self, seq: int = 0) -> int:
+        """Largest position held by ``seq`` (-1 when empty)."""
+        return int(self._live().llama_memory_seq_pos_max(self._mem, seq))
+
+    def pos_min(self, seq: int = 0) -> int:
+        """Smallest position held by ``seq`` (-1 when empty)."""
+        return int(self._live().llama_memory_seq_pos_min(self._mem, seq))
+
+    def decode(self, ids, seq: int = 0, start: int | None = None) -> None:
+        """Append token ids to sequence ``seq`` at ``start, start+1, ...``.
+
+        Parameters
+        ----------
+        ids : sequence of int or torch.Tensor
+            ``[L]`` token ids (kvlab's tokenizer made them).
+        start : int, optional
+            Position of the first token; default: right after the sequence's last one.
+            The last token's logits are kept (:meth:`log_probs` reads them).
+        """
+        L = self._live()
+        ids = [int(t) for t in (ids.tolist() if isinstance(ids, torch.Tensor) else ids)]
+        if not ids:
+            raise PeerError("cannot decode an empty token sequence")
+        if not 0 <= seq < self.n_seq_max:
+            raise PeerError(f"sequence id {seq} out of range [0, {self.n_seq_max})")
+        bad = [t for t in ids if not 0 <= t < self.n_vocab]
+        if bad:
+            raise PeerError(f"token id {bad[0]} is outside llama.cpp's vocabulary of {self.n_vocab} for {self.path.name}")
+        pos = self.pos_max(seq) + 1 if start is None else int(start)
+        b = self._batch
+        for lo in range(0, len(ids), self.n_batch):
+            chunk = ids[lo:lo + self.n_batch]
+            last_chunk = lo + self.n_batch >= len(ids)
+            for i, t in enumerate(chunk):
+                b.token[i] = t
+                b.pos[i] = pos + lo + i
+                b.n_seq_id[i] = 1
+                b.seq_id[i][0] = seq
+                b.logits[i] = last_chunk and i == len(chunk) - 1
+            b.n_tokens = len(chunk)
+            mark = log_mark()
+            rc = L.llama_decode(self._ctx, b)
+            if rc != 0:
+                raise PeerError(f"llama.cpp refused to decode {len(chunk)} tokens on sequence {seq} at position "
+                                f"{pos + lo} (llama_decode returned {rc}): {_said(mark)}")
+
+    def log_probs(self) -> torch.Tensor:
+        """``[n_vocab]`` float64 log-softmax of the logits of the last decoded token."""
+        L = self._live()
+        ptr = L.llama_get_logits_ith(self._ctx, -1)
+        if not ptr:
+            raise PeerError("llama.cpp holds no logits: decode something first")
+        logits = torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).astype(np.float64))
+        return torch.log_softmax(logits, -1)
+
+    def read(self, ids, seq: int = 0) -> torch.Tensor:
+        """Next-token log-probs after ``ids`` read behind what ``seq`` holds; the cache is left as it was.
+
+        Returns
+        -------
+        torch.Tensor
+            ``[n_vocab]`` float64 log-probabilities.
+        """
+        at = self.pos_max(seq) + 1
+        self.decode(ids, seq, at)
+        out = self.log_probs()
+        self._live().llama_memory_seq_rm(self._mem, seq, at, -1)
+        return out
+
+    def prefill(self, ids, seq: int = 0) -> None:
+        """Empty ``seq`` and decode ``ids`` into it at positions ``0..L-1``."""
+        self._live().llama_memory_seq_rm(self._mem, seq, -1, -1)
+        self.decode(ids, seq, 0)
+
+    def shift_merge(self, fragments: list) -> int:
+        """Merge fragments the way llama.cpp's server reuses cached chunks (``--cache-reuse``).
+
+        Each fragment is decoded alone as its own sequence at positions ``0..L_i-1``; each
+        later one is moved behind the earlier ones with ``llama_memory_seq_add`` (which
+        marks its keys for a K-shift: a RoPE rotation by the offset, applied at the next
+        decode) and copied into sequence 0 with ``llama_memory_seq_cp``.
+
+        Parameters
+        ----------
+        fragments : list
+            ``[L_i]`` token ids per fragment.
+
+        Returns
+        -------
+        int
+            Total tokens now in sequence 0.
+        """
+        L = self._live()
+        if len(fragments) > self.n_seq_max:
+            raise PeerError(f"{len(fragments)} fragments need {len(fragments)} sequences; "
+                            f"this engine was made with n_seq_max={self.n_seq_max}")
+        if not L.llama_memory_can_shift(self._mem):
+            raise PeerError(f"llama.cpp cannot shift the KV cache of {self.path.name} (llama_memory_can_shift is false)")
+        self.clear()
+        for i, ids in enumerate(fragments):
+            self.decode(ids, i, 0)
+        offset = len(fragments[0])
+        for i in range(1, len(fragments)):
+            n = len(fragments[i])
+            L.llama_memory_seq_add(self._mem, i, 0, -1, offset)
+            L.llama_memory_seq_cp(self._mem, i, 0, -1, -1)
+            L.llama_memory_seq_rm(self._mem, i, -1, -1)
+            offset += n
+        return self.pos_max(0) + 1
+
+    def phase_merge(self, fragments: list) -> int:
+        """The phase reference inside llama.cpp: each fragment decoded alone at its landing positions.
+
+        Like :meth:`shift_merge` but fragment ``i`` is decoded at ``offset_i..`` directly, so its
+        keys are computed at the right phase instead of being rotated there by a K-shift. The
+        two differ only by the rounding of the rotation of f16 keys.
+        """
+        L = self._live()
+        if len(fragments) > self.n_seq_max:
+            raise PeerError(f"{len(fragments)} fragments need {len(fragments)} sequences; "
+                            f"this engine was made with n_seq_max={self.n_seq_max}")
+        self.clear()
+        offset = 0
+        for i, ids in enumerate(fragments):
+            self.decode(ids, i, offset)
+            offset += len(ids)
+        for i in range(1, len(fragments)):
+            L.llama_memory_seq_cp(self._mem, i, 0, -1, -1)
+            L.llama_memory_seq_rm(self._mem, i, -1, -1)
+        return self.pos_max(0) + 1
+
+    def tokenize(self, text: str) -> list[int]:
+        """llama.cpp's own tokenisation of ``text`` (no BOS, special tokens not parsed), to compare with kvlab's."""
+        L = self._live()
+        raw = text.encode()
+        cap = len(raw) + 8
+        arr = (ctypes.c_int32 * cap)()
+        n = L.llama_tokenize(self.vocab, raw, len(raw), arr, cap, False, False)
+        if n < 0:
+            raise PeerError(f"llama.cpp needs {-n} token slots for {text[:40]!r}")
+        return list(arr[:n])
+
+    def can_shift(self) -> bool:
+        return bool(self._live().llama_memory_can_shift(self._mem))
+
+    # ------------------------------------------------------------------ state files
+    def save_state(self, path, tokens) -> Path:
+        """Write llama.cpp's full state file (a session file: all sequences plus ``tokens``); atomic."""
+        return self._write(path, lambda tmp, arr, n: self._live().llama_state_save_file(self._ctx, tmp, arr, n), tokens)
+
+    def save_seq_state(self, path, tokens, seq: int = 0) -> Path:
+        """Write one sequence's state file (``llama_state_seq_save_file``); atomic."""
+        return self._write(path, lambda tmp, arr, n: self._live().llama_state_seq_save_file(self._ctx, tmp, seq, arr, n) > 0,
+                           tokens)
+
+    def _write(self, path, call, tokens) -> Path:
+        path = Path(path)
+        toks = [int(t) for t in (tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens)]
+        arr = (ctypes.c_int32 * max(1, len(toks)))(*toks)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
+        os.close(fd)
+        mark = log_mark()
+        try:
+            if not call(tmp.encode(), arr, len(toks)):
+                raise PeerError(f"llama.cpp could not write {path}: {_said(mark)}")
+            os.replace(tmp, path)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+        return path
+
+    def load_state(self, path, capacity: int = 1 << 16) -> list[int]:
+        """Read a full state file into this context; returns the tokens stored with it.
+
+        Raises :class:`PeerError` with llama.cpp's own reason when it refuses the file.
+        """
+        L = self._live()
+        path = _existing(path)
+        arr = (ctypes.c_int32 * capacity)()
+        n = ctypes.c_size_t(0)
+        mark = log_mark()
+        if not L.llama_state_load_file(self._ctx, str(path).encode(), arr, capacity, ctypes.byref(n)):
+            raise PeerError(f"llama.cpp refused the state file {path.name}: {_said(mark)}")
+        return list(arr[: n.value])
+
+    def load_seq_state(self, path, seq: int = 0, capacity: int = 1 << 16) -> list[int]:
+        """Read a sequence state file into sequence ``seq``; returns its tokens."""
+        L = self._live()
+        path = _existing(path)
+        arr = (ctypes.c_int32 * capacity)()
+        n = ctypes.c_size_t(0)
+        mark = log_mark()
+        if not L.llama_state_seq_load_file(self._ctx, str(path).encode(), seq, arr, capacity, ctypes.byref(n)):
+            raise PeerError(f"llama.cpp refused the sequence state file {path.name}: {_said(mark)}")
+        return list(arr[: n.value])
+
+    def state_bytes(self) -> bytes:
+        """The full state in memory (``llama_state_get_data``), e.g. to restore between timed runs."""
+        L = self._live()
+        size = L.llama_state_get_size(self._ctx)
+        buf = (ctypes.c_uint8 * size)()
+        L.llama_state_get_data(self._ctx, buf, size)
+        return bytes(buf)
+
+    def set_state_bytes(self, data: bytes) -> None:
+        L = self._live()
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        mark = log_mark()
+        if L.llama_state_set_data(self._ctx, buf, len(data)) == 0:
+            raise PeerError(f"llama.cpp refused the in-memory state: {_said(mark)}")
+
+
+def _existing(path) -> Path:
+    path = Path(path)
+    if not path.is_file():
+        raise PeerError(f"no state file at {path}")
+    return path
+
+
+FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9}  # llama_ftype values offered here
+
+
+def requantize(src, ftype: str = "Q4_0", out_dir=None, n_threads: int | None = None) -> Path:
+    """Requantise a GGUF file with llama.cpp's ``llama_model_quantize`` (``allow_requantize``).
+
+    The result is kept under ``$KVLAB_CACHE/peers`` (or ``out_dir``) as
+    ``<stem>.<ftype>-<sha256 of src, 16 hex>.gguf``, written in a temporary folder there and
+    renamed, so a concurrent caller never sees half a file; a later call returns it as is.
+
+    Returns
+    -------
+    Path
+        The requantised GGUF file.
+    """
+    from ..models import _sha256_cached, cache_root
+
+    src = check_gguf_file(src)
+    L = lib()
+    if ftype not in FTYPES:
+        raise PeerError(f"ftype must be one of {sorted(FTYPES)}, got {ftype!r}")
+    out_dir = Path(out_dir) if out_dir is not None else cache_root() / "peers"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    target = out_dir / f"{src.stem}.{ftype}-{_sha256_cached(src)[:16]}.gguf"
+    if target.is_file():
+        return target
+    tmp_dir = Path(tempfile.mkdtemp(dir=out_dir, prefix=".quantize-"))
+    try:
+        tmp = tmp_dir / target.name
+        params = L.llama_model_quantize_default_params()
+        params.ftype = FTYPES[ftype]
+        params.allow_requantize = True
+        params.nthread = int(n_threads or torch.get_num_threads())
+        mark = log_mark()
+        rc = L.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
+        if rc != 0 or not tmp.is_file():
+            raise PeerError(f"llama_model_quantize failed on {src.name} -> {ftype} (returned {rc}): {_said(mark)}")
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    return target
