@@ -95,6 +95,15 @@ def _inspect(args) -> int:
     return 0
 
 
+def _peers(args) -> int:
+    from .models import load_model
+    from .peers import peer_table
+
+    torch.manual_seed(0)
+    print(peer_table(load_model(args.model)))
+    return 0
+
+
 def _report(args) -> int:
     from pathlib import Path
 
@@ -156,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=FINETUNE_DEFAULTS["steps"], help="fine-tune steps")
     p.add_argument("--verbose", action="store_true", help="also print every probe's top-1 tokens")
     p.set_defaults(func=_mismatch)
+    p = sub.add_parser("peers", help="kvlab beside llama.cpp on the same GGUF (needs the `peers` extra)")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.set_defaults(func=_peers)
     p = sub.add_parser("report", help="execute the notebooks with papermill into an HTML report")
     p.add_argument("--model", default=None, help="model for every notebook (default: each notebook's own); " + MODEL_HELP)
     p.add_argument("--out", default="reports")

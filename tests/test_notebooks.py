@@ -41,7 +41,13 @@ OTHER_PARAMS = {
     "04_merge_explorer": {"texts": TEXTS, "probes": [" and"]},
     "05_fidelity_vs_cost": {"passages": TEXTS[:3], "questions": [" and", " so"], "ratios": [0.1, 0.5], "greedy_tokens": 2,
                             "timing_repeats": 2},
+    "06_llama_cpp": {"texts": TEXTS[:2], "probes": [" and then", " so the"], "n_conversion_probes": 3},
 }
+# Notebooks that run a model's GGUF file in llama.cpp. A tiny model has no GGUF file (it is
+# built from a config in memory, and writing one just for this test would test the writer,
+# not kvlab), so there they must stop at the mapping with kvlab's reason; they run with the
+# same quick parameters on the smallest real model instead.
+NEEDS_GGUF = {"06_llama_cpp"}
 
 
 @pytest.mark.parametrize("name", sorted(OTHER_PARAMS))
@@ -49,6 +55,12 @@ def test_parameters_flow_through_papermill(name, tmp_path):
     assert set(OTHER_PARAMS) == set(notebooks())
     out = tmp_path / f"{name}.ipynb"
     params = dict(OTHER_PARAMS[name], model_name="tiny-gemma3")
+    if name in NEEDS_GGUF:
+        with pytest.raises(pm.PapermillExecutionError, match="PeerError.*cannot map 'tiny-gemma3' to llama.cpp"):
+            pm.execute_notebook(str(NB / f"{name}.ipynb"), str(out), parameters=params,
+                                progress_bar=False, cwd=str(NB), kernel_name="python3")
+        assert "model tiny-gemma3: 4 layers" in out.read_text()
+        return
     pm.execute_notebook(str(NB / f"{name}.ipynb"), str(out), parameters=params,
                         progress_bar=False, cwd=str(NB), kernel_name="python3")
     text = out.read_text()
@@ -69,6 +81,7 @@ GEMMA_PARAMS = {
     "05_fidelity_vs_cost": {"ratios": [0.15, 0.5], "greedy_tokens": 4, "timing_repeats": 2,
                             "questions": ["\nQuestion: Which ship brought rolls for the paper mill, and from which city? Answer:",
                                           "\nQuestion: Who ordered the machines that still stand in the museum? Answer:"]},
+    "06_llama_cpp": {"n_conversion_probes": 3, "probes": [" The ledger is now kept in the city of", " Maren was the keeper's"]},
 }
 
 
@@ -88,6 +101,17 @@ def test_every_notebook_runs_on_gemma3(name, tmp_path):
     for cell in json.loads(out.read_text())["cells"]:
         for o in cell.get("outputs", []):
             assert o.get("name") != "stderr", f"{name} on gemma3-270m wrote to stderr: {''.join(o.get('text', ''))[:300]}"
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("name", sorted(NEEDS_GGUF))
+def test_gguf_notebooks_run_on_a_real_model_with_quick_parameters(name, tmp_path):
+    out = tmp_path / f"{name}.ipynb"
+    params = dict(OTHER_PARAMS[name], model_name="smollm2-135m")
+    pm.execute_notebook(str(NB / f"{name}.ipynb"), str(out), parameters=params,
+                        progress_bar=False, cwd=str(NB), kernel_name="python3")
+    assert "model smollm2-135m: 30 layers" in out.read_text()
+    assert "smollm2-135m" in finding(out)
 
 
 def test_report_refuses_unknown_notebooks_and_parameters_before_running():

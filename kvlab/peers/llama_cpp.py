@@ -263,6 +263,21 @@ class LlamaEngine:
         """Smallest position held by ``seq`` (-1 when empty)."""
         return int(self._live().llama_memory_seq_pos_min(self._mem, seq))
 
+    def seq_add(self, seq: int, delta: int, p0: int = -1, p1: int = -1) -> None:
+        """Move ``seq``'s tokens in ``[p0, p1)`` by ``delta`` positions (``llama_memory_seq_add``).
+
+        Their keys are rotated by ``delta`` (a K-shift) at the next decode, not now.
+        """
+        self._live().llama_memory_seq_add(self._mem, seq, p0, p1, delta)
+
+    def seq_cp(self, src: int, dst: int) -> None:
+        """Add sequence ``dst`` to every cell of ``src`` (``llama_memory_seq_cp``; bookkeeping in a unified cache)."""
+        self._live().llama_memory_seq_cp(self._mem, src, dst, -1, -1)
+
+    def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> None:
+        """Drop ``seq`` from its cells in ``[p0, p1)`` (``-1``: open end); cells still used by another sequence stay."""
+        self._live().llama_memory_seq_rm(self._mem, seq, p0, p1)
+
     def decode(self, ids, seq: int = 0, start: int | None = None) -> None:
         """Append token ids to sequence ``seq`` at ``start, start+1, ...``.
 
@@ -321,12 +336,12 @@ class LlamaEngine:
         at = self.pos_max(seq) + 1
         self.decode(ids, seq, at)
         out = self.log_probs()
-        self._live().llama_memory_seq_rm(self._mem, seq, at, -1)
+        self.seq_rm(seq, at, -1)
         return out
 
     def prefill(self, ids, seq: int = 0) -> None:
         """Empty ``seq`` and decode ``ids`` into it at positions ``0..L-1``."""
-        self._live().llama_memory_seq_rm(self._mem, seq, -1, -1)
+        self.seq_rm(seq)
         self.decode(ids, seq, 0)
 
     def shift_merge(self, fragments: list) -> int:
@@ -359,9 +374,9 @@ class LlamaEngine:
         offset = len(fragments[0])
         for i in range(1, len(fragments)):
             n = len(fragments[i])
-            L.llama_memory_seq_add(self._mem, i, 0, -1, offset)
-            L.llama_memory_seq_cp(self._mem, i, 0, -1, -1)
-            L.llama_memory_seq_rm(self._mem, i, -1, -1)
+            self.seq_add(i, offset, 0, -1)
+            self.seq_cp(i, 0)
+            self.seq_rm(i)
             offset += n
         return self.pos_max(0) + 1
 
@@ -382,8 +397,8 @@ class LlamaEngine:
             self.decode(ids, i, offset)
             offset += len(ids)
         for i in range(1, len(fragments)):
-            L.llama_memory_seq_cp(self._mem, i, 0, -1, -1)
-            L.llama_memory_seq_rm(self._mem, i, -1, -1)
+            self.seq_cp(i, 0)
+            self.seq_rm(i)
         return self.pos_max(0) + 1
 
     def tokenize(self, text: str) -> list[int]:

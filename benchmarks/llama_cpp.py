@@ -1,0 +1,99 @@
+"""Time llama.cpp's K-shift of a two-fragment merge against kvlab's rerotate, in one run.
+
+    .venv/bin/python benchmarks/llama_cpp.py [--tokens 1024] [--repeats 10]
+
+Both sides merge the same two fragments of N random tokens (SmolLM2, warm, after one
+untimed run each). llama.cpp (the ``peers`` extra) holds them as two sequences of one
+unified f16 cache; its merge is ``llama_memory_seq_add`` (+N on the second sequence),
+``llama_memory_seq_cp`` into the first and ``llama_memory_seq_rm`` of the second, and the
+K-shift itself runs inside the next ``llama_decode``. So the script times
+
+* ``shift+decode``: restore the two-sequence state (untimed), then merge and decode one token;
+* ``decode``: restore the already-merged state (untimed), then decode the same token;
+
+and reports K-shift = shift+decode - decode (medians). kvlab's figure is
+``kvlab.merge(frags, "rerotate", model)`` on fp32 fragments, which builds a new cache (a copy
+of every K and V) as well as rotating. llama.cpp rotates f16 keys in place, over every cell
+of the cache, so its context is sized to the merge (printed). Each side uses this process's
+torch thread count. Like ``merge.py``, the run is repeated with glibc told to keep freed memory.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+import kvlab
+from kvlab import peers
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from merge import TUNED, timed  # noqa: E402 (the shared malloc settings and timer)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--child", choices=["default", "tuned"], help=argparse.SUPPRESS)
+    ap.add_argument("--tokens", type=int, default=1024, help="tokens per fragment")
+    ap.add_argument("--repeats", type=int, default=10)
+    args = ap.parse_args()
+    if args.child is None:
+        for mode in ("default", "tuned"):
+            env = dict(os.environ, **(TUNED if mode == "tuned" else {}))
+            print(f"\n== glibc malloc: {mode} ==", flush=True)
+            subprocess.run([sys.executable, __file__, "--child", mode] + sys.argv[1:], env=env, check=True)
+        return
+    torch.manual_seed(0)
+    model = kvlab.load_model("smollm2-135m")
+    n = args.tokens
+    g = torch.Generator().manual_seed(0)
+    ids = [torch.randint(100, model.config.vocab_size, (n,), generator=g) for _ in range(2)]
+    frags = [kvlab.prefill_tokens(model, t) for t in ids]
+    t_rot = timed(lambda: kvlab.merge(frags, "rerotate", model), args.repeats)
+    t_naive = timed(lambda: kvlab.merge(frags, "naive", model), args.repeats)
+
+    with peers.engine_for(model, n_ctx=2 * n + 64, n_seq_max=2) as eng:
+        for i, t in enumerate(ids):
+            eng.decode(t, i, 0)
+        split = eng.state_bytes()
+        probe = [int(ids[0][0])]
+
+        def merge_and_decode():
+            eng.seq_add(1, n)
+            eng.seq_cp(1, 0)
+            eng.seq_rm(1)
+            eng.decode(probe, 0, 2 * n)
+
+        merge_and_decode()
+        eng.seq_rm(0, 2 * n)
+        merged = eng.state_bytes()
+
+        def run(state, fn):
+            times = []
+            for _ in range(args.repeats + 1):  # the first is the warm-up
+                eng.set_state_bytes(state)
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            return statistics.median(times[1:])
+
+        t_shift_decode = run(split, merge_and_decode)
+        t_decode = run(merged, lambda: eng.decode(probe, 0, 2 * n))
+        cells = eng.n_ctx
+    t_kshift = t_shift_decode - t_decode
+    print(f"SmolLM2, 2 fragments x {n} random tokens, torch/llama.cpp threads {torch.get_num_threads()}, "
+          f"median of {args.repeats} (warm)")
+    print(f"  kvlab naive (fp32, new cache)          {t_naive * 1e3:8.2f} ms")
+    print(f"  kvlab rerotate (fp32, new cache)       {t_rot * 1e3:8.2f} ms")
+    print(f"  llama.cpp shift+decode of 1 token      {t_shift_decode * 1e3:8.2f} ms  (f16 cache, {cells} cells)")
+    print(f"  llama.cpp decode of 1 token            {t_decode * 1e3:8.2f} ms")
+    print(f"  llama.cpp K-shift (difference)         {t_kshift * 1e3:8.2f} ms")
+    print(f"  ratio kvlab rerotate / llama.cpp K-shift: {t_rot / t_kshift:.2f}")
+
+
+if __name__ == "__main__":
+    main()
