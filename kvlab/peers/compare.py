@@ -139,14 +139,16 @@ class ConversionFidelity:
         ``KL(p_llama.cpp || p_kvlab)`` of the next token after each probe, nats.
     top1 : float
         Fraction of probes whose most likely next token agrees.
-    kl_f32kv_mean : float or None
-        The same KL with llama.cpp's KV cache in f32 instead of its default f16: what
-        remains is the quantised matmuls (activations rounded to 8 bits for the integer
-        dot products with the 4-bit weights) and summation order.
+    kl_f32_mean, kl_f32_ci : float or None, (float, float) or None
+        The same KL with llama.cpp running an F32 copy of the file (``requantize(..., "F32")``:
+        the dequantised weights, as kvlab holds them). It isolates what the quantised file
+        itself costs in llama.cpp: its matrix products round the activations to 8-bit blocks
+        for integer dot products with the 4-bit weight blocks; with F32 weights they do not.
+        What is left is llama.cpp's f16 KV cache and summation order.
     same_ids : float
         Fraction of probes that llama.cpp's own tokenizer splits into the same ids as kvlab's.
     rows : list of dict
-        Per probe: ``probe``, ``tokens``, ``kl``, ``kl_f32kv``, ``top1_llama``, ``top1_kvlab``, ``agree``, ``same_ids``.
+        Per probe: ``probe``, ``tokens``, ``kl``, ``kl_f32``, ``top1_llama``, ``top1_kvlab``, ``agree``, ``same_ids``.
     """
 
     model: str
@@ -157,13 +159,13 @@ class ConversionFidelity:
     kl_ci: tuple[float, float]
     kl_max: float
     top1: float
-    kl_f32kv_mean: float | None
-    kl_f32kv_ci: tuple[float, float] | None
+    kl_f32_mean: float | None
+    kl_f32_ci: tuple[float, float] | None
     same_ids: float
     rows: list[dict] = field(default_factory=list, repr=False)
 
 
-def conversion_fidelity(model: LoadedModel, probes: list[str] | None = None, *, f32_kv: bool = True,
+def conversion_fidelity(model: LoadedModel, probes: list[str] | None = None, *, f32_file: bool = True,
                         n_threads: int | None = None) -> ConversionFidelity:
     """How close kvlab's dequantised fp32 model comes to llama.cpp on the GGUF it came from.
 
@@ -173,13 +175,17 @@ def conversion_fidelity(model: LoadedModel, probes: list[str] | None = None, *, 
         A GGUF-backed kvlab model (``smollm2-135m``, ``gemma3-270m`` or :func:`kvlab.models.load_gguf_file`).
     probes : list of str
         Prompts, each read from BOS (default :data:`CONVERSION_PROBES`).
-    f32_kv : bool
-        Also run llama.cpp with an f32 KV cache, to separate the cache's rounding from the matmuls'.
+    f32_file : bool
+        Also run llama.cpp on an F32 requantisation of the file (kept in ``$KVLAB_CACHE/peers``;
+        4 bytes per weight), to separate the quantised matmuls from everything else.
     """
+    from .llama_cpp import requantize
+
     probes = probes or CONVERSION_PROBES
     rows = []
+    src = model_gguf(model)
     with engine_for(model, n_ctx=512, n_seq_max=1, n_threads=n_threads) as eng:
-        f32 = engine_for(model, n_ctx=512, n_seq_max=1, n_threads=n_threads, kv_type="f32") if f32_kv else None
+        f32 = LlamaEngine(requantize(src, "F32"), n_ctx=512, n_seq_max=1, n_threads=n_threads) if f32_file else None
         try:
             for probe in probes:
                 ids = _ids(model, probe, bos=True)
@@ -189,21 +195,21 @@ def conversion_fidelity(model: LoadedModel, probes: list[str] | None = None, *, 
                 row = {"probe": probe, "tokens": len(ids), "kl": kl(lp, lq),
                        "top1_llama": model.tokenizer.decode([int(lp.argmax())]),
                        "top1_kvlab": model.tokenizer.decode([int(lq.argmax())]), "agree": int(lp.argmax()) == int(lq.argmax()),
-                       "same_ids": eng.tokenize(probe) == _ids(model, probe).tolist(), "kl_f32kv": None}
+                       "same_ids": eng.tokenize(probe) == _ids(model, probe).tolist(), "kl_f32": None}
                 if f32 is not None:
                     f32.prefill(ids)
-                    row["kl_f32kv"] = kl(f32.log_probs(), lq)
+                    row["kl_f32"] = kl(f32.log_probs(), lq)
                 rows.append(row)
             desc = eng.info.desc
         finally:
             if f32 is not None:
                 f32.close()
     kls = [r["kl"] for r in rows]
-    kf = [r["kl_f32kv"] for r in rows] if f32_kv else None
+    kf = [r["kl_f32"] for r in rows] if f32_file else None
     return ConversionFidelity(
-        model=model.name, gguf=Path(eng.path).name, desc=desc, n=len(rows), kl_mean=float(np.mean(kls)),
+        model=model.name, gguf=src.name, desc=desc, n=len(rows), kl_mean=float(np.mean(kls)),
         kl_ci=bootstrap_ci(kls), kl_max=max(kls), top1=sum(r["agree"] for r in rows) / len(rows),
-        kl_f32kv_mean=float(np.mean(kf)) if kf else None, kl_f32kv_ci=bootstrap_ci(kf) if kf else None,
+        kl_f32_mean=float(np.mean(kf)) if kf else None, kl_f32_ci=bootstrap_ci(kf) if kf else None,
         same_ids=sum(r["same_ids"] for r in rows) / len(rows), rows=rows,
     )
 
@@ -243,7 +249,8 @@ def _compare(engine, method, reference, lps, lqs) -> MergeRow:
 
 
 def merge_side_by_side(model: LoadedModel, texts: list[str], probes: list[str], *, ratio: float = 0.15,
-                       engine: LlamaEngine | None = None) -> list[MergeRow]:
+                       engine: LlamaEngine | None = None, kvlab_rows: bool = True, f32_file: bool = True,
+                       **engine_options) -> list[MergeRow]:
     """llama.cpp's shift-merge and kvlab's merges, each against its own engine's joined prefill.
 
     The fragments are ``texts`` tokenised by kvlab (the first with BOS), each prefilled
@@ -255,6 +262,13 @@ def merge_side_by_side(model: LoadedModel, texts: list[str], probes: list[str], 
     * kvlab ``naive``, ``rerotate`` and ``recompute`` (``ratio``) against kvlab's joined prefill;
     * ``joined`` across engines: llama.cpp's joined prefill against kvlab's (the conversion gap
       on these texts, the floor under any cross-engine comparison).
+
+    * with ``f32_file``, ``shift`` against ``phase`` in llama.cpp on an F32 copy of the file:
+      with the quantised file, 8-bit rounding of activations amplifies the rounding of the
+      rotated f16 keys; with the dequantised weights only that rounding is left.
+
+    ``kvlab_rows=False`` leaves out kvlab's rows; ``engine_options`` (e.g. ``swa_full=False``)
+    go to the :class:`LlamaEngine` made here when no ``engine`` is given.
     """
     import kvlab
 
@@ -265,7 +279,7 @@ def merge_side_by_side(model: LoadedModel, texts: list[str], probes: list[str], 
     probe_ids = [_ids(model, p) for p in probes]
     own = engine is None
     eng = engine or engine_for(model, n_ctx=max(512, 2 * (sum(map(len, ids)) + max(map(len, probe_ids)))),
-                               n_seq_max=len(frags))
+                               n_seq_max=len(frags), **engine_options)
     try:
         eng.prefill(torch.cat(ids))
         joined = [eng.read(p) for p in probe_ids]
@@ -279,6 +293,20 @@ def merge_side_by_side(model: LoadedModel, texts: list[str], probes: list[str], 
     rows = [_compare("llama.cpp", "shift", "joined", joined, shifted),
             _compare("llama.cpp", "phase", "joined", joined, phase),
             _compare("llama.cpp", "shift", "phase", phase, shifted)]
+    if f32_file:
+        # The same two merges with the dequantised weights: without 8-bit activations the
+        # K-shift's only error left is the rounding of rotated f16 keys.
+        from .llama_cpp import requantize
+
+        with LlamaEngine(requantize(model_gguf(model), "F32"), n_ctx=eng.n_ctx, n_seq_max=len(frags),
+                         **engine_options) as f32:
+            f32.shift_merge(ids)
+            shifted32 = [f32.read(p) for p in probe_ids]
+            f32.phase_merge(ids)
+            phase32 = [f32.read(p) for p in probe_ids]
+        rows.append(_compare("llama.cpp F32", "shift", "phase", phase32, shifted32))
+    if not kvlab_rows:
+        return rows
     ref = kvlab.FidelityReference(model, kvlab.joined_prefill(model, frags).cache)
     k_joined = [ref.read(p, 0)[0] for p in probes]
     for strategy, opts in (("naive", {}), ("rerotate", {}), ("recompute", {"ratio": ratio})):
@@ -289,13 +317,18 @@ def merge_side_by_side(model: LoadedModel, texts: list[str], probes: list[str], 
     return rows
 
 
+def _num(x: float) -> str:
+    # Four decimals hide the small rows (the K-shift on F32 weights is ~1e-6 nats).
+    return f"{x:.4f}" if x == 0 or abs(x) >= 1e-3 else f"{x:.1e}"
+
+
 def format_rows(rows) -> str:
     """A plain-text table of :class:`MergeRow` rows."""
-    head = f"{'engine':<10} {'method':<16} {'reference':<17} {'KL mean':>8} {'95% CI':>17} {'KL max':>8} {'top-1':>6}"
+    head = f"{'engine':<13} {'method':<16} {'reference':<17} {'KL mean':>8} {'95% CI':>17} {'KL max':>8} {'top-1':>6}"
     out = [head, "-" * len(head)]
     for r in rows:
-        out.append(f"{r.engine:<10} {r.method:<16} {r.reference:<17} {r.kl_mean:>8.4f} "
-                   f"[{r.kl_ci[0]:.4f}, {r.kl_ci[1]:.4f}] {r.kl_max:>8.4f} {r.top1:>6.2f}")
+        out.append(f"{r.engine:<13} {r.method:<16} {r.reference:<17} {_num(r.kl_mean):>8} "
+                   f"{'[' + _num(r.kl_ci[0]) + ', ' + _num(r.kl_ci[1]) + ']':>17} {_num(r.kl_max):>8} {r.top1:>6.2f}")
     return "\n".join(out)
 
 
@@ -401,7 +434,7 @@ def peer_table(model: LoadedModel, texts: list[str] | None = None, probes: list[
     lines = [f"kvlab {model.name} (fp32, dequantised) against llama.cpp on {conv.gguf} ({conv.desc})",
              f"conversion: KL(llama.cpp || kvlab) mean {conv.kl_mean:.4f} nats [95% CI {conv.kl_ci[0]:.4f}, "
              f"{conv.kl_ci[1]:.4f}], max {conv.kl_max:.4f}, top-1 agree {conv.top1:.2f}, n={conv.n} prompts; "
-             f"with an f32 KV cache in llama.cpp {conv.kl_f32kv_mean:.4f}; same token ids {conv.same_ids:.2f}",
+             f"llama.cpp on an F32 copy of the file {conv.kl_f32_mean:.2e}; same token ids {conv.same_ids:.2f}",
              "", "merges: next-token KL (nats) against each engine's own joined prefill"]
     rows = merge_side_by_side(model, texts or DEFAULT_TEXTS, probes or DEFAULT_PROBES)
     lines.append(format_rows(rows))

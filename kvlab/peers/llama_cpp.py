@@ -160,6 +160,8 @@ class LlamaEngine:
         sets it False, keeping only the window, which is what makes it refuse cache reuse.
     n_batch : int
         Tokens per ``llama_decode`` call (longer inputs are split).
+    flash_attn : bool, optional
+        Force llama.cpp's fused attention kernel on or off (default: llama.cpp decides).
 
     Notes
     -----
@@ -169,7 +171,7 @@ class LlamaEngine:
     """
 
     def __init__(self, path, *, n_ctx: int = 4096, n_seq_max: int = 4, n_threads: int | None = None,
-                 kv_type: str = "f16", swa_full: bool = True, n_batch: int = 512):
+                 kv_type: str = "f16", swa_full: bool = True, n_batch: int = 512, flash_attn: bool | None = None):
         path = check_gguf_file(path)
         L = lib()
         if kv_type not in KV_TYPES:
@@ -195,6 +197,8 @@ class LlamaEngine:
         cparams.swa_full = bool(swa_full)
         cparams.type_k = cparams.type_v = KV_TYPES[kv_type]
         cparams.no_perf = True
+        if flash_attn is not None:  # None keeps llama.cpp's automatic choice
+            cparams.flash_attn_type = 1 if flash_attn else 0
         ctx = L.llama_init_from_model(model, cparams)
         if not ctx:
             self.close()
@@ -489,7 +493,7 @@ def _existing(path) -> Path:
     return path
 
 
-FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9}  # llama_ftype values offered here
+FTYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9}  # llama_ftype values offered here
 
 
 def requantize(src, ftype: str = "Q4_0", out_dir=None, n_threads: int | None = None) -> Path:
