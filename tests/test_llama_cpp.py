@@ -118,11 +118,17 @@ def test_shift_merge_has_the_phase_right_and_the_context_wrong(engine, smollm2):
     shifted = engine.read(probe)
     engine.phase_merge(ids)
     phase = engine.read(probe)
-    # The K-shift only re-rounds f16 keys: against the fragment decoded at its landing
-    # positions it is far closer than either is to the joined prefill (measured 2.7e-5 vs 0.10).
-    assert peers.kl(phase, shifted) < 1e-3
-    assert peers.kl(joined, shifted) > 20 * max(peers.kl(phase, shifted), 1e-6)
+    # Against the fragment decoded at its landing positions the K-shift differs by the rounding
+    # of rotated f16 keys, which the 8-bit activations of the Q4_1 file amplify (measured
+    # 3.2e-3); against the joined prefill both lack fragment 1's context (measured 0.46).
+    assert peers.kl(joined, shifted) > 20 * peers.kl(phase, shifted)
     assert peers.kl(joined, phase) > 1e-2
+    # With the dequantised weights (an F32 copy) only the f16 rounding is left (measured 1e-6).
+    with peers.LlamaEngine(peers.requantize(engine.path, "F32"), n_ctx=1024, n_seq_max=2) as f32:
+        f32.shift_merge(ids)
+        shifted32 = f32.read(probe)
+        f32.phase_merge(ids)
+        assert peers.kl(f32.read(probe), shifted32) < 1e-4
 
 
 @needs_llama
