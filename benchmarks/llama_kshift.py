@@ -1,6 +1,6 @@
 """Time llama.cpp's K-shift of a two-fragment merge against kvlab's rerotate, in one run.
 
-    .venv/bin/python benchmarks/llama_cpp.py [--tokens 1024] [--repeats 10]
+    .venv/bin/python benchmarks/llama_kshift.py [--tokens 1024] [--repeats 10]
 
 Both sides merge the same two fragments of N random tokens (SmolLM2, warm, after one
 untimed run each). llama.cpp (the ``peers`` extra) holds them as two sequences of one
@@ -15,7 +15,8 @@ and reports K-shift = shift+decode - decode (medians). kvlab's figure is
 ``kvlab.merge(frags, "rerotate", model)`` on fp32 fragments, which builds a new cache (a copy
 of every K and V) as well as rotating. llama.cpp rotates f16 keys in place, over every cell
 of the cache, so its context is sized to the merge (printed). Each side uses this process's
-torch thread count. Like ``merge.py``, the run is repeated with glibc told to keep freed memory.
+torch thread count. (The file is not called ``llama_cpp.py``: a script's folder comes first
+on ``sys.path``, so that name would shadow the ``llama_cpp`` package itself.) Like ``merge.py``, the run is repeated with glibc told to keep freed memory.
 """
 from __future__ import annotations
 
