@@ -294,7 +294,7 @@ def _load_gguf(spec: GGUFSpec, dtype: torch.dtype) -> LoadedModel:
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     source = json.loads((folder / "kvlab-source.json").read_text())
     source["folder"] = str(folder)
-    source["gguf_path"] = str(gguf)
+    source["gguf_path"] = str(spec.existing(spec))  # located (and assembled) by _converted
     return LoadedModel(model=model, tokenizer=tokenizer, name=spec.name, config=model.config, source=source)
 
 

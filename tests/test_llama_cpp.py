@@ -16,9 +16,10 @@ import kvlab
 from kvlab import peers
 from kvlab.peers import llama_cpp as glue
 
-from conftest import GEMMA_MISSING, GEMMA_REASON, tiny
+from conftest import GEMMA_MISSING, GEMMA_REASON, IN_CI, missing, tiny
 
-needs_llama = pytest.mark.skipif(not glue.available() and os.environ.get("CI") != "true",
+# In CI (`make test` installs the extra) a missing llama-cpp-python fails these tests instead.
+needs_llama = pytest.mark.skipif(not glue.available() and not IN_CI,
                                  reason="llama-cpp-python not installed: " + glue.INSTALL_HINT)
 
 TEXTS = ["The lighthouse keeper on Skerry Island logged every passing ship in a blue ledger.",
@@ -178,8 +179,9 @@ def test_state_files_round_trip_exactly(engine, smollm2, tmp_path):
 
 
 @needs_llama
-@pytest.mark.skipif(GEMMA_MISSING, reason=GEMMA_REASON)
 def test_llama_cpp_accepts_a_requantisation_and_refuses_another_architecture(smollm2, tmp_path):
+    if GEMMA_MISSING:
+        missing(GEMMA_REASON)
     src = peers.gguf_path("smollm2-135m")
     q40 = peers.requantize(src, "Q4_0")
     assert q40 == peers.requantize(src, "Q4_0")  # kept, not redone
