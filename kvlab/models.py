@@ -313,6 +313,11 @@ def _gguf_file_type(path: Path) -> str:
         return f"file_type {value}"
 
 
+def file_sha256(path) -> str:
+    """sha256 of a (large) file, remembered in ``$KVLAB_CACHE`` by path, size and mtime."""
+    return _sha256_cached(Path(path))
+
+
 def load_gguf_file(path, name: str | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
     """Load any GGUF file the way the catalogue models load (fp32, conversion cached by sha256).
 

@@ -23,7 +23,7 @@ LAYERS = [
     {"rope", "fragments"},
     {"identity", "strategies", "merge", "recompute", "repro", "catalog", "cacheformat", "cachefile", "sources"},
     {"references", "case", "metrics", "fidelity", "mismatch", "records"},
-    {"plots", "explorer", "report", "check", "sweep", "cli"},
+    {"plots", "explorer", "report", "check", "sweep", "peers", "cli"},
 ]
 #: ``kvlab/__init__.py`` re-exports the public API; it sits above everything.
 TOP = "__init__"

@@ -270,11 +270,13 @@ def merge_side_by_side(model: LoadedModel, texts: list[str], probes: list[str], 
     ``kvlab_rows=False`` leaves out kvlab's rows; ``engine_options`` (e.g. ``swa_full=False``)
     go to the :class:`LlamaEngine` made here when no ``engine`` is given.
     """
-    import kvlab
+    from ..case import FidelityReference
+    from ..fidelity import fidelity
+    from ..fragments import joined_prefill, prefill
 
     if len(texts) < 2:
         raise PeerError("a merge needs at least two fragment texts")
-    frags = [kvlab.prefill(model, t, bos=(i == 0 and _bos(model))) for i, t in enumerate(texts)]
+    frags = [prefill(model, t, bos=(i == 0 and _bos(model))) for i, t in enumerate(texts)]
     ids = [f.token_ids for f in frags]
     probe_ids = [_ids(model, p) for p in probes]
     own = engine is None
@@ -307,10 +309,10 @@ def merge_side_by_side(model: LoadedModel, texts: list[str], probes: list[str], 
         rows.append(_compare("llama.cpp F32", "shift", "phase", phase32, shifted32))
     if not kvlab_rows:
         return rows
-    ref = kvlab.FidelityReference(model, kvlab.joined_prefill(model, frags).cache)
+    ref = FidelityReference(model, joined_prefill(model, frags).cache)
     k_joined = [ref.read(p, 0)[0] for p in probes]
     for strategy, opts in (("naive", {}), ("rerotate", {}), ("recompute", {"ratio": ratio})):
-        fid = kvlab.fidelity(model, frags, strategy, probes=probes, greedy_tokens=0, reference=ref, **opts)
+        fid = fidelity(model, frags, strategy, probes=probes, greedy_tokens=0, reference=ref, **opts)
         rows.append(MergeRow("kvlab", strategy + (f" r={ratio}" if opts else ""), "joined",
                              [r["kl"] for r in fid.probes], fid.top1))
     rows.append(_compare("both", "joined", "llama.cpp joined", joined, k_joined))
@@ -410,13 +412,14 @@ def kvlab_refusals(model: LoadedModel, text: str, readers: dict[str, LoadedModel
 
     Returns, per reader, the list of differing strict fingerprint fields (``None`` if it loaded).
     """
-    import kvlab
+    from ..cachefile import load_cache, save_cache
+    from ..fragments import prefill
 
-    path = kvlab.save_cache(Path(workdir) / "producer.kvcache", kvlab.prefill(model, text, bos=_bos(model)), model)
+    path = save_cache(Path(workdir) / "producer.kvcache", prefill(model, text, bos=_bos(model)), model)
     out = {}
     for name, reader in readers.items():
         try:
-            kvlab.load_cache(path, reader)
+            load_cache(path, reader)
             out[name] = None
         except FingerprintMismatch as e:
             out[name] = [d.field for d in e.differences]
