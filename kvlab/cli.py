@@ -110,9 +110,12 @@ def _report(args) -> int:
     from .report import run_report
 
     params = {name: value for name, value in (args.param or [])}
-    index = run_report(Path(args.out), only=args.only, params=params, model=args.model, progress=not args.no_progress)
-    print(f"report: {index}")
-    return 0
+    report = run_report(Path(args.out), only=args.only, params=params, model=args.model, progress=not args.no_progress,
+                        no_input=args.no_input)
+    print(f"report: {report.index}")
+    for r in report.failed:
+        print(f"kvlab report: {r.name} failed: {r.error}", file=sys.stderr)
+    return 1 if report.failed else 0
 
 
 def _sweep(args) -> int:
@@ -174,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", nargs="+", metavar="NB", help="notebook names, e.g. 01_phase_error")
     p.add_argument("-p", "--param", nargs=2, action="append", metavar=("NAME", "VALUE"), help="a notebook parameter")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-input", action="store_true", help="HTML without code: markdown, outputs and figures only")
     p.set_defaults(func=_report)
     p = sub.add_parser("sweep", help="run a notebook over a parameter grid (a STUDY.toml) on Dask")
     p.add_argument("study", help="study file (TOML): notebook, [grid], [zip], seeds, repeats, output, timeout")

@@ -50,3 +50,7 @@ class CacheFileError(KvlabError):
 
 class PeerError(KvlabError):
     """A peer engine (llama.cpp) is missing, cannot load a file, refuses an operation, or cannot be mapped to a kvlab model."""
+
+
+class KernelMissing(KvlabError):
+    """The ``kvlab`` Jupyter kernelspec is not installed in this environment (``make setup`` installs it)."""

@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "kvlab"
 
 #: Bottom to top. A module may import from its own layer or any layer below it.
 LAYERS = [
-    {"errors", "atomic", "digests", "tiny"},
+    {"errors", "atomic", "digests", "tiny", "kernel"},
     {"models"},
     {"rope", "fragments"},
     {"identity", "strategies", "merge", "recompute", "repro", "catalog", "cacheformat", "cachefile", "sources"},

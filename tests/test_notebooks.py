@@ -62,7 +62,7 @@ def test_parameters_flow_through_papermill(name, tmp_path):
         assert "model tiny-gemma3: 4 layers" in out.read_text()
         return
     pm.execute_notebook(str(NB / f"{name}.ipynb"), str(out), parameters=params,
-                        progress_bar=False, cwd=str(NB), kernel_name="python3")
+                        progress_bar=False, cwd=str(NB), kernel_name="kvlab")
     text = out.read_text()
     assert "model tiny-gemma3: 4 layers" in text
     assert "tiny-gemma3" in finding(out)
@@ -95,7 +95,7 @@ def test_every_notebook_runs_on_gemma3(name, tmp_path):
     assert set(GEMMA_PARAMS) == set(notebooks())
     out = tmp_path / f"{name}.ipynb"
     pm.execute_notebook(str(NB / f"{name}.ipynb"), str(out), parameters=dict(GEMMA_PARAMS[name], model_name="gemma3-270m"),
-                        progress_bar=False, cwd=str(NB), kernel_name="python3")
+                        progress_bar=False, cwd=str(NB), kernel_name="kvlab")
     assert "model gemma3-270m: 18 layers" in out.read_text()
     assert "gemma3-270m" in finding(out)
     for cell in json.loads(out.read_text())["cells"]:
@@ -123,13 +123,55 @@ def test_report_refuses_unknown_notebooks_and_parameters_before_running():
     assert jobs[0][2] == {"n_fragments": 3, "model_name": "tiny-llama"}
 
 
-def test_report_writes_notebook_html_and_index(tmp_path):
+def test_report_index_records_the_run_and_each_notebook(tmp_path):
     from kvlab.report import run_report
 
-    index = run_report(tmp_path, only=["01_phase_error"], params={"n_fragments": "3"}, model="tiny-llama", progress=False)
-    assert (tmp_path / "01_phase_error.html").stat().st_size > 10_000
-    page = index.read_text()
-    assert "01_phase_error.html" in page and "tiny-llama" in page
+    report = run_report(tmp_path, only=["01_phase_error", "02_kv_heatmaps"], params={"texts": json.dumps(TEXTS)},
+                        model="tiny-gemma3", progress=False)
+    assert report.failed == [] and [r.name for r in report.runs] == ["01_phase_error", "02_kv_heatmaps"]
+    assert 'class="highlight hl-ipython3"' in (tmp_path / "01_phase_error.html").read_text()  # code shown by default
+    page = report.index.read_text()
+    import kvlab
+
+    digest = kvlab.fingerprint(kvlab.load_model("tiny-gemma3"))["weights_sha256"]
+    import torch
+    import transformers
+
+    for want in ["tiny-gemma3", digest[:16], torch.__version__, transformers.__version__, "commit ", "2 of 2 notebooks passed",
+                 "01_phase_error.html", "02_kv_heatmaps.html", "✓ passed"]:
+        assert want in page, want
+    assert "✗ failed" not in page
+    assert report.runs[0].question.startswith("When cached fragments are concatenated without re-rotation")
+    for r in report.runs:
+        assert len(r.question) > 40 and "Question" not in r.question and "**" not in r.question, r.question
+        assert r.question in page and r.finding in page and "tiny-gemma3" in r.finding
+        thumb = tmp_path / r.thumbnail
+        assert f"src='{r.thumbnail}'" in page and thumb.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        from PIL import Image
+
+        assert Image.open(thumb).width <= 360
+
+
+def test_report_marks_a_failed_notebook_runs_the_rest_and_exits_non_zero(tmp_path):
+    import subprocess
+    import sys
+
+    # 01_phase_error asserts it has at least three fragments: with two it fails; 04 runs on.
+    run = subprocess.run([sys.executable, "-m", "kvlab.cli", "report", "--out", str(tmp_path), "--model", "tiny-gemma3",
+                          "--only", "01_phase_error", "04_merge_explorer", "-p", "n_fragments", "2", "--no-progress",
+                          "--no-input"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert "01_phase_error failed: AssertionError: this study needs at least three fragments" in run.stderr
+    page = (tmp_path / "index.html").read_text()
+    assert "1 of 2 notebooks passed, 1 failed" in page
+    assert page.count("✗ failed") == 1 and page.count("✓ passed") == 1
+    assert "AssertionError: this study needs at least three fragments" in page
+    assert (tmp_path / "04_merge_explorer.html").exists()
+    # --no-input: markdown and outputs, no code cells' source.
+    body = (tmp_path / "04_merge_explorer.html").read_text()
+    assert "Question" in body and "Finding:" in body
+    assert 'class="highlight hl-ipython3"' not in body  # a code cell's source, as the full HTML renders it
 
 
 def test_explorer_redraws_when_widgets_change():
@@ -159,3 +201,32 @@ def test_explorer_redraws_when_widgets_change():
     assert ex.state["kl"] != before
     ex.model.value = "tiny-llama"
     assert ex.state["model"] == "tiny-llama" and ex.layer.max == 2
+
+
+def test_notebooks_run_on_the_kvlab_kernel_and_refuse_without_it(monkeypatch):
+    import kvlab
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    assert kvlab.kernel_name() == "kvlab"  # `make setup` installs it into the venv
+    monkeypatch.setattr(KernelSpecManager, "find_kernel_specs", lambda self: {"python3": "/x"})
+    with pytest.raises(kvlab.KernelMissing, match="kvlab.*found: python3.*make setup"):
+        kvlab.kernel_name()
+    with pytest.raises(kvlab.KernelMissing):
+        from kvlab.report import run_report
+
+        run_report(Path("/nonexistent-never-written"), only=["01_phase_error"], progress=False)
+    assert not Path("/nonexistent-never-written").exists()
+
+
+def test_set_kernelspec_changes_only_the_kernelspec(tmp_path):
+    import subprocess
+    import sys
+
+    src = NB / "01_phase_error.ipynb"
+    dst = tmp_path / src.name
+    dst.write_text(src.read_text())
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "set-kernelspec.py"), str(dst)], check=True, capture_output=True)
+    before, after = json.loads(src.read_text()), json.loads(dst.read_text())
+    assert after["metadata"]["kernelspec"] == {"name": "kvlab", "display_name": "Python (kvlab)", "language": "python"}
+    after["metadata"]["kernelspec"] = before["metadata"]["kernelspec"]
+    assert after == before

@@ -52,7 +52,7 @@ def test_records_round_trip_through_an_executed_notebook(tmp_path):
         nbformat.v4.new_code_cell("print('record: fake = 1.0')\n"  # text alone is not a record
                                   "kvlab.record('undefined', float('nan'), note='empty sample')"),
     ]
-    NotebookClient(nb, kernel_name="python3", timeout=120, resources={"metadata": {"path": str(tmp_path)}}).execute()
+    NotebookClient(nb, kernel_name="kvlab", timeout=120, resources={"metadata": {"path": str(tmp_path)}}).execute()
     path = tmp_path / "run.ipynb"
     nbformat.write(nb, path)
 

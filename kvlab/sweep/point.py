@@ -90,6 +90,8 @@ def execute(task: dict, folder: Path) -> tuple[str, str | None]:
     import papermill as pm
     from jupyter_client import AsyncKernelManager
 
+    from ..kernel import kernel_name
+
     started: list = []
 
     class TrackedKernelManager(AsyncKernelManager):
@@ -119,7 +121,7 @@ def execute(task: dict, folder: Path) -> tuple[str, str | None]:
     status, error = "ok", None
     stderr = open(folder / "kernel-stderr.txt", "w")
     try:
-        pm.execute_notebook(task["notebook"], str(tmp), parameters=task["parameters"], kernel_name="python3",
+        pm.execute_notebook(task["notebook"], str(tmp), parameters=task["parameters"], kernel_name=kernel_name(),
                             cwd=str(Path(task["notebook"]).parent), progress_bar=False, log_output=False,
                             kernel_manager_class=TrackedKernelManager)
     except Exception as e:  # noqa: BLE001  every failure of the notebook is the point's result
