@@ -1,5 +1,6 @@
-"""An ipywidgets explorer: pick a merge strategy, fragments, model, layer and head; see
-the phase error, the |K - ref| heatmap and the next-token KL update.
+"""An ipywidgets explorer: pick a merge strategy (and a recompute ratio and policy), 2 to 8
+fragments, model, layer type, layer and head; see the phase error, the |K - ref| heatmap and
+the next-token KL update.
 
 ``MergeExplorer`` keeps everything it shows in ``.state`` and ``.figures`` so tests can
 drive it by setting widget values, with or without a browser.
@@ -21,7 +22,23 @@ from .metrics import kv_diff, max_phase_error, next_token_kl, phase_beyond_round
 from .models import DEFAULT_MODEL, LoadedModel
 from .sources import load_model
 from .plots import kv_heatmap, phase_vs_position_head
+from .recompute import POLICIES
+from .rope import layer_types
 from .strategies import STRATEGIES, strategy_names
+
+#: How many fragments the explorer merges, at least and at most.
+MIN_FRAGMENTS, MAX_FRAGMENTS = 2, 8
+#: Texts a new fragment box starts with (cycled): longer merges move later fragments to
+#: larger offsets, where a naive merge's phase error grows.
+PRESET_TEXTS = [
+    " The museum opened a second room for the keeper's charts in 1923, after a storm.",
+    " A fisherman's diary from the same winter names three of the ships he counted.",
+    " The lamp itself was replaced by an electric light, and the old lens went to Oslo.",
+    " Visitors can still read the last page, dated the first of March, in his hand.",
+    " Maren's own notes, kept in the margin, record the weather on each of those days.",
+    " The island has had no keeper since 1978; the light runs itself from the mainland.",
+]
+ALL_LAYERS = "all layers"
 
 
 class MergeExplorer:
@@ -32,7 +49,7 @@ class MergeExplorer:
     model : str or LoadedModel
         Starting model.
     texts : list of str
-        Fragment texts (one text box each).
+        Fragment texts (one text box each), 2 to 8; boxes can be added and removed.
     probes : list of str
         Probe texts for the next-token KL table.
     models : list of str
@@ -47,13 +64,22 @@ class MergeExplorer:
             model = model.name
         self.probes = list(probes or DEFAULT_PROBES)
         texts = list(texts or DEFAULT_TEXTS)
+        if not MIN_FRAGMENTS <= len(texts) <= MAX_FRAGMENTS:
+            raise KvlabError(f"the explorer merges {MIN_FRAGMENTS} to {MAX_FRAGMENTS} fragments, got {len(texts)} texts")
         choices = list(dict.fromkeys([model] + list(models or [DEFAULT_MODEL, "tiny-llama", "tiny-gemma3"])))
         self.strategy = W.Dropdown(options=strategy_names(), value="naive", description="strategy")
         self.model = W.Dropdown(options=choices, value=model, description="model")
         # continuous_update=False: a text change re-prefills every fragment and a ratio change
         # runs the model, so they act when typing stops or the slider is let go, not per key.
-        self.texts = [W.Textarea(value=t, description=f"fragment {i}", layout=W.Layout(width="95%"),
-                                 continuous_update=False) for i, t in enumerate(texts)]
+        self.texts = [self._text_box(i, t) for i, t in enumerate(texts)]
+        self.fragment_box = W.VBox(list(self.texts))
+        self.add_fragment = W.Button(description="add fragment", icon="plus")
+        self.remove_fragment = W.Button(description="remove last", icon="minus")
+        self.add_fragment.on_click(lambda _: self.set_fragment_count(len(self.texts) + 1))
+        self.remove_fragment.on_click(lambda _: self.set_fragment_count(len(self.texts) - 1))
+        self.policy = W.Dropdown(options=list(POLICIES), value="deviation", description="policy")
+        # Shown only for models with more than one layer type (Gemma 3: sliding and full).
+        self.layer_type = W.Dropdown(options=[ALL_LAYERS], value=ALL_LAYERS, description="layer type")
         self.layer = W.IntSlider(min=0, max=1, value=0, description="layer", continuous_update=False)
         self.head = W.IntSlider(min=0, max=0, value=0, description="KV head", continuous_update=False)
         self.ratio = W.FloatSlider(min=0.0, max=1.0, step=0.05, value=0.15, description="recompute r",
@@ -69,16 +95,37 @@ class MergeExplorer:
         self.figures: dict = {}
         self._key = None
         self._draw = True
-        for w in [self.strategy, self.model, self.ratio, *self.texts]:
+        for w in [self.strategy, self.model, self.ratio, self.policy, *self.texts]:
             w.observe(self._on_input, names="value")
         for w in (self.layer, self.head):
             w.observe(self._on_view, names="value")
+        self.layer_type.observe(self._on_layer_type, names="value")
         self._recompute_inputs()
         self.widget = W.VBox([
-            W.HBox([self.model, self.strategy, self.ratio]), *self.texts, W.HBox([self.layer, self.head]),
+            W.HBox([self.model, self.strategy, self.ratio, self.policy]), self.fragment_box,
+            W.HBox([self.add_fragment, self.remove_fragment]), W.HBox([self.layer_type, self.layer, self.head]),
             self.readout, self.plots, self.table,
         ])
         self._sync_ratio_visibility()
+
+    def _text_box(self, i: int, text: str) -> W.Textarea:
+        return W.Textarea(value=text, description=f"fragment {i}", layout=W.Layout(width="95%"), continuous_update=False)
+
+    def set_fragment_count(self, n: int) -> None:
+        """Add preset fragments or drop the last ones until there are ``n`` (2 to 8); recompute once."""
+        if not MIN_FRAGMENTS <= n <= MAX_FRAGMENTS:
+            raise KvlabError(f"the explorer merges {MIN_FRAGMENTS} to {MAX_FRAGMENTS} fragments, not {n}")
+        while len(self.texts) > n:
+            self.texts.pop().unobserve(self._on_input, names="value")
+        while len(self.texts) < n:
+            i = len(self.texts)
+            box = self._text_box(i, PRESET_TEXTS[(i - MIN_FRAGMENTS) % len(PRESET_TEXTS)])
+            box.observe(self._on_input, names="value")
+            self.texts.append(box)
+        self.fragment_box.children = tuple(self.texts)
+        self.add_fragment.disabled = n >= MAX_FRAGMENTS
+        self.remove_fragment.disabled = n <= MIN_FRAGMENTS
+        self._recompute_inputs()
 
     # -- computation -----------------------------------------------------------------
 
@@ -89,8 +136,8 @@ class MergeExplorer:
         return self._models[name]
 
     def _options(self) -> dict:
-        cls = STRATEGIES[self.strategy.value]
-        return {"ratio": self.ratio.value} if "ratio" in getattr(cls, "__dataclass_fields__", {}) else {}
+        fields = getattr(STRATEGIES[self.strategy.value], "__dataclass_fields__", {})
+        return {k: w.value for k, w in (("ratio", self.ratio), ("policy", self.policy)) if k in fields}
 
     def _recompute_inputs(self) -> None:
         m = self._get_model()
@@ -106,6 +153,10 @@ class MergeExplorer:
             # Lowering max clamps value (ipywidgets validates it).
             self.layer.max = len(self.phase_ref.layers) - 1
             self.head.max = self.phase_ref.layers[0].keys.shape[1] - 1
+            types = list(dict.fromkeys(layer_types(m.config)))
+            self.layer_type.options = [ALL_LAYERS] + (types if len(types) > 1 else [])
+            self.layer_type.value = ALL_LAYERS
+            self.layer_type.layout.display = None if len(types) > 1 else "none"
         self._merge()
 
     def _merge(self) -> None:
@@ -135,12 +186,24 @@ class MergeExplorer:
         self._sync_ratio_visibility()
         self._recompute_inputs()
 
+    def _on_layer_type(self, change) -> None:
+        if self.merged is None:
+            return  # a model change resets the choice before the new merge exists
+        t = change["new"]
+        if t != ALL_LAYERS and self.phases[self.layer.value].layer_type != t:
+            # Jump to the first layer of that type; the layer slider's observer redraws once.
+            self.layer.value = next(i for i, p in enumerate(self.phases) if p.layer_type == t)
+        else:
+            self._render()
+
     def _on_view(self, change) -> None:
         if self.merged is not None:
             self._render()
 
     def _sync_ratio_visibility(self) -> None:
-        self.ratio.layout.display = None if self._options() else "none"
+        opts = self._options()
+        self.ratio.layout.display = None if "ratio" in opts else "none"
+        self.policy.layout.display = None if "policy" in opts else "none"
 
     def _render(self) -> None:
         self.figures = {}
@@ -153,10 +216,16 @@ class MergeExplorer:
         li, hi = self.layer.value, self.head.value
         p = self.phases[li]
         head_err = max_phase_error([dataclasses.replace(p, angle=p.angle[hi : hi + 1])])
-        self.state.update(layer=li, head=hi, max_phase_error_layer_head=head_err)
+        lt = self.layer_type.value
+        typed = max_phase_error(self.phases, None if lt == ALL_LAYERS else lt)
+        self.state.update(layer=li, head=hi, max_phase_error_layer_head=head_err, layer_type=lt,
+                          max_phase_error_layer_type=typed, n_fragments=len(self.frags))
+        over = "all layers" if lt == ALL_LAYERS else f"{lt} layers"
         self.readout.value = (
-            f"<b>{self.state['model']} / {self.state['strategy']}</b>: max phase error over all layers "
-            f"<span class='kvlab-max-phase'>{self.state['max_phase_error']:.3e}</span> rad; layer {li}, head {hi}: "
+            f"<b>{self.state['model']} / {self.state['strategy']}</b>, {len(self.frags)} fragments: max phase error "
+            f"over all layers <span class='kvlab-max-phase'>{self.state['max_phase_error']:.3e}</span> rad"
+            + ("" if lt == ALL_LAYERS else f"; over {over} <span class='kvlab-max-phase-type'>{typed:.3e}</span> rad")
+            + f"; layer {li}, head {hi}: "
             f"{head_err:.3e} rad; top-1 agreement with the joined prefill {self.state['top1_agree']}/{len(self.kl)}"
         )
         rows = "".join(

@@ -175,6 +175,7 @@ def test_report_marks_a_failed_notebook_runs_the_rest_and_exits_non_zero(tmp_pat
 
 
 def test_explorer_redraws_when_widgets_change():
+    import kvlab
     from kvlab.explorer import MergeExplorer
     from kvlab import strategy_names
 
@@ -199,8 +200,44 @@ def test_explorer_redraws_when_widgets_change():
     before = ex.state["kl"]
     ex.texts[1].value = " A different second fragment entirely."
     assert ex.state["kl"] != before
+    # Layer types: tiny-gemma3 has sliding and full layers; choosing one narrows the readout and
+    # jumps to a layer of that type.
+    assert ex.layer_type.layout.display is None and len(ex.layer_type.options) == 3
+    kinds = [p.layer_type for p in ex.phases]
+    other = next(t for t in ex.layer_type.options[1:] if t != kinds[ex.layer.value])
+    ex.layer_type.value = other
+    assert kinds[ex.state["layer"]] == other and ex.state["layer_type"] == other
+    assert "kvlab-max-phase-type" in ex.readout.value and f"over {other} layers" in ex.readout.value
+    assert ex.state["max_phase_error_layer_type"] <= ex.state["max_phase_error"]
+    # More fragments: one recompute per click, presets land at larger offsets; 2..8 only.
+    calls = []
+    original = ex._merge
+    ex._merge = lambda: (calls.append(1), original())
+    ex.add_fragment.click()
+    assert len(calls) == 1 and ex.state["n_fragments"] == 3 and len(ex.fragment_box.children) == 3
+    assert len(ex.landings) == 3 and ex.landings[2] > ex.landings[1]
+    ex.set_fragment_count(8)
+    assert ex.state["n_fragments"] == 8 and ex.add_fragment.disabled
+    with pytest.raises(kvlab.KvlabError, match="2 to 8 fragments, not 9"):
+        ex.set_fragment_count(9)
+    ex.remove_fragment.click()
+    assert ex.state["n_fragments"] == 7 and not ex.add_fragment.disabled
+    ex.set_fragment_count(2)
+    assert ex.remove_fragment.disabled and len(ex.texts) == 2
+    ex._merge = original
+    # Recompute ratio and policy: shown only for the recompute strategy, passed through to it.
+    assert ex.policy.layout.display == "none"
+    ex.strategy.value = "recompute"
+    assert ex.policy.layout.display is None and ex.ratio.layout.display is None
+    ex.policy.value = "fragment_start"
+    assert ex.state["options"] == {"ratio": ex.ratio.value, "policy": "fragment_start"}
+    ex.ratio.value = 1.0
+    assert max(ex.state["kl"]) < 1e-4  # recomputing every token is a full prefill
     ex.model.value = "tiny-llama"
     assert ex.state["model"] == "tiny-llama" and ex.layer.max == 2
+    assert ex.layer_type.layout.display == "none"  # one layer type only
+    with pytest.raises(kvlab.KvlabError, match="2 to 8 fragments, got 1"):
+        MergeExplorer("tiny-llama", texts=["only one"])
 
 
 def test_notebooks_run_on_the_kvlab_kernel_and_refuse_without_it(monkeypatch):
