@@ -1,6 +1,6 @@
 """kvlab sweep overhead: what one grid point costs besides its own work, and a small grid's wall time.
 
-Per-point overhead, each a papermill run of a generated notebook (kernel python3):
+Per-point overhead, each a papermill run of a generated notebook (kernel kvlab):
   kernel      start a kernel and run an empty cell
   + kvlab     ... and ``import kvlab`` (torch, transformers)
   + model     ... and ``kvlab.load_model(model_name)`` (tiny-llama, smollm2-135m)
@@ -28,7 +28,7 @@ import papermill as pm  # noqa: E402
 
 def _notebook(folder: Path, body: str) -> Path:
     nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.metadata["kernelspec"] = {"name": "kvlab", "display_name": "Python (kvlab)", "language": "python"}
     params = nbformat.v4.new_code_cell('model_name = "tiny-llama"')
     params.metadata["tags"] = ["parameters"]
     nb.cells = [params, nbformat.v4.new_code_cell(body)]
@@ -39,7 +39,7 @@ def _notebook(folder: Path, body: str) -> Path:
 
 def _papermill(path: Path, **params) -> float:
     t0 = time.perf_counter()
-    pm.execute_notebook(str(path), str(path.with_suffix(".out.ipynb")), parameters=params, kernel_name="python3",
+    pm.execute_notebook(str(path), str(path.with_suffix(".out.ipynb")), parameters=params, kernel_name="kvlab",
                         progress_bar=False, log_output=False, cwd=str(path.parent))
     return time.perf_counter() - t0
 

@@ -327,7 +327,7 @@ def test_notebook_takes_a_folder_as_model_name(saved, tmp_path):
     params = {"model_name": str(saved["tiny-gemma3"]), "n_fragments": 3,
               "texts": ["Alpha speaks of rivers.", " Beta follows with birds,", " gamma brings rain."]}
     pm.execute_notebook(str(NOTEBOOK_DIR / "01_phase_error.ipynb"), str(out), parameters=params, progress_bar=False,
-                        cwd=str(NOTEBOOK_DIR), kernel_name="python3")
+                        cwd=str(NOTEBOOK_DIR), kernel_name="kvlab")
     assert "model tiny-gemma3: 4 layers" in out.read_text()
     assert "tiny-gemma3" in finding(out)
 
