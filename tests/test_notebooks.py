@@ -58,7 +58,7 @@ def test_parameters_flow_through_papermill(name, tmp_path):
     if name in NEEDS_GGUF:
         with pytest.raises(pm.PapermillExecutionError, match="PeerError.*cannot map 'tiny-gemma3' to llama.cpp"):
             pm.execute_notebook(str(NB / f"{name}.ipynb"), str(out), parameters=params,
-                                progress_bar=False, cwd=str(NB), kernel_name="python3")
+                                progress_bar=False, cwd=str(NB), kernel_name="kvlab")
         assert "model tiny-gemma3: 4 layers" in out.read_text()
         return
     pm.execute_notebook(str(NB / f"{name}.ipynb"), str(out), parameters=params,
@@ -109,7 +109,7 @@ def test_gguf_notebooks_run_on_a_real_model_with_quick_parameters(name, tmp_path
     out = tmp_path / f"{name}.ipynb"
     params = dict(OTHER_PARAMS[name], model_name="smollm2-135m")
     pm.execute_notebook(str(NB / f"{name}.ipynb"), str(out), parameters=params,
-                        progress_bar=False, cwd=str(NB), kernel_name="python3")
+                        progress_bar=False, cwd=str(NB), kernel_name="kvlab")
     assert "model smollm2-135m: 30 layers" in out.read_text()
     assert "smollm2-135m" in finding(out)
 
