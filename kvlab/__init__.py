@@ -53,3 +53,11 @@ from .errors import KernelMissing
 from .kernel import KERNEL_NAME, kernel_name
 
 __all__ += ["KernelMissing", "KERNEL_NAME", "kernel_name"]
+# Findings at scale (issue 14): a generated evaluation set, answers behind merges, CIs.
+from . import evalset, longctx, qa, stats  # noqa: E402
+from .evalset import EvalSet, Question, generate  # noqa: E402
+from .qa import ask, passage_fragments  # noqa: E402
+from .stats import CI, mean_ci, paired_diff_ci  # noqa: E402
+
+__all__ += ["evalset", "longctx", "qa", "stats", "EvalSet", "Question", "generate", "ask", "passage_fragments",
+            "CI", "mean_ci", "paired_diff_ci"]

@@ -76,6 +76,9 @@ class Question:
         ``"town"`` or ``"year"`` (one passage) or ``"ship_town"`` (two passages).
     subject : str
         The person asked about.
+    lead : str
+        The start of the answer sentence, put at the head of the assistant's turn so that a
+        small model's next words are the answer itself, not a preamble about it.
     """
 
     text: str
@@ -83,6 +86,7 @@ class Question:
     passages: tuple[int, ...]
     kind: str
     subject: str
+    lead: str
 
     @property
     def hops(self) -> int:
@@ -191,10 +195,11 @@ def generate(seed: int = 0, n_passages: int = 4, passage_tokens: int = 128, peop
     questions = []
     for i, row in enumerate(people):
         for p in row:
-            questions.append(Question(f"In which town did {p} live?", home[p], (i,), "town", p))
-            questions.append(Question(f"In what year was {p} born?", str(born[p]), (i,), "year", p))
+            questions.append(Question(f"In which town did {p} live?", home[p], (i,), "town", p, f"{p} lived in the town of"))
+            questions.append(Question(f"In what year was {p} born?", str(born[p]), (i,), "year", p, f"{p} was born in the year"))
             questions.append(Question(f"In which town was the ship owned by {p} built?", builder[p],
-                                      (i, yard_passage[p]), "ship_town", p))
+                                      (i, yard_passage[p]), "ship_town", p,
+                                      f"The ship owned by {p} was built in the town of"))
     rng.shuffle(questions)
     facts = {"home": home, "born": born, "ship": ship, "builder": builder}
     return EvalSet(passages, questions, seed, facts)
@@ -262,8 +267,8 @@ class Prompt:
         One text per passage, to prefill as a fragment each; the first carries the chat
         template's opening (system turn, ``user`` header), later ones start with ``"\\n\\n"``.
     probe : str
-        The question, the instruction and the template's closing (the assistant header):
-        read behind the merged cache.
+        The question, the instruction, the template's closing (the assistant header) and
+        the answer's ``lead``: read behind the merged cache.
     template : str
         ``"tokenizer"`` (the tokenizer's own chat template), ``"gemma-turns"``
         (:data:`GEMMA_TURNS`) or ``"plain"`` (no chat tokens known: ``Question: ... Answer:``).
@@ -285,7 +290,7 @@ def chat_template(tokenizer) -> tuple[str | None, str]:
     return None, "plain"
 
 
-def prompt_parts(tokenizer, passages: list[str], question: str, instruction: str = INSTRUCTION) -> Prompt:
+def prompt_parts(tokenizer, passages: list[str], question: str, lead: str = "", instruction: str = INSTRUCTION) -> Prompt:
     """Render passages + question as one user turn and split it at the passage boundaries.
 
     ``"".join(fragments) + probe`` is exactly the rendered prompt; prefilling the fragment
@@ -298,6 +303,8 @@ def prompt_parts(tokenizer, passages: list[str], question: str, instruction: str
     passages : list of str
         Non-empty, each appearing once in the rendered prompt.
     question : str
+    lead : str
+        Text the assistant's turn starts with (:attr:`Question.lead`); empty for none.
     """
     if not passages or any(not p.strip() for p in passages):
         raise EvalSetError("prompt_parts needs at least one non-empty passage")
@@ -305,7 +312,7 @@ def prompt_parts(tokenizer, passages: list[str], question: str, instruction: str
     ask = f"\n\nQuestion: {question} {instruction}"
     template, source = chat_template(tokenizer)
     if template is None:
-        rendered = "\n\n".join(passages) + ask + "\nAnswer:"
+        rendered = "\n\n".join(passages) + ask + "\nAnswer: "
     else:
         content = "\n\n".join(passages) + ask
         rendered = tokenizer.apply_chat_template([{"role": "user", "content": content}], chat_template=template,
@@ -319,18 +326,18 @@ def prompt_parts(tokenizer, passages: list[str], question: str, instruction: str
         ends.append(at)
     # Fragment 0 carries the template's opening; later ones the "\n\n" before their passage.
     fragments = [rendered[start:end] for start, end in zip([0] + ends[:-1], ends)]
-    return Prompt(fragments, rendered[at:], source)
+    return Prompt(fragments, rendered[at:] + lead, source)
 
 
 # --- Scoring ------------------------------------------------------------------------------------
 
-_STOP_MARKERS = ("<|im_end|>", "<end_of_turn>", "<|endoftext|>", "</s>", "<eos>", "\n")
+_STOP_MARKERS = ("<|im_end|>", "<end_of_turn>", "<|endoftext|>", "</s>", "<eos>", "\n", ".", ",", ";")
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCT = str.maketrans({c: " " for c in string.punctuation})
 
 
 def answer_span(text: str, stop: tuple[str, ...] = _STOP_MARKERS) -> str:
-    """The answer in a decoded greedy continuation: up to the first end-of-turn marker or newline.
+    """The answer in a decoded greedy continuation: up to the first end-of-turn marker, newline or clause end.
 
     Leading whitespace and newlines are skipped first (a model may open its turn with one).
     """

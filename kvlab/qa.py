@@ -27,7 +27,7 @@ def passage_fragments(model: LoadedModel, evalset: EvalSet) -> tuple[list[Fragme
     probes : list of str
         One per question: the question and the template's closing, read behind a merge.
     """
-    parts = [prompt_parts(model.tokenizer, evalset.passages, q.text) for q in evalset.questions]
+    parts = [prompt_parts(model.tokenizer, evalset.passages, q.text, q.lead) for q in evalset.questions]
     texts = parts[0].fragments
     if any(p.fragments != texts for p in parts):
         raise MergeError("the chat template renders the passages differently per question; they cannot be cached once")

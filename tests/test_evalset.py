@@ -73,13 +73,13 @@ def test_shipped_passages_stay_usable():
 def test_chat_prompt_splits_into_fragments_that_rebuild_the_joined_prompt(smollm2):
     s = E.generate(2, 3, 128)
     q = s.questions[0]
-    p = E.prompt_parts(smollm2.tokenizer, s.passages, q.text)
-    assert p.template == "tokenizer"
+    p = E.prompt_parts(smollm2.tokenizer, s.passages, q.text, q.lead)
+    assert p.template == "tokenizer" and p.probe.endswith("<|im_start|>assistant\n" + q.lead)
     whole = smollm2.tokenizer.apply_chat_template(
         [{"role": "user", "content": "\n\n".join(x.strip() for x in s.passages) + f"\n\nQuestion: {q.text} {E.INSTRUCTION}"}],
         tokenize=False, add_generation_prompt=True)
-    assert "".join(p.fragments) + p.probe == whole
-    assert p.fragments[0].startswith("<|im_start|>system") and p.probe.endswith("<|im_start|>assistant\n")
+    assert "".join(p.fragments) + p.probe == whole + q.lead
+    assert p.fragments[0].startswith("<|im_start|>system")
     assert all(f.startswith("\n\n") for f in p.fragments[1:])
     # The same passages give the same fragments whatever the question: cacheable once.
     assert E.prompt_parts(smollm2.tokenizer, s.passages, s.questions[1].text).fragments == p.fragments
@@ -89,7 +89,7 @@ def test_without_a_chat_template_the_prompt_is_plain_question_answer():
     tok = tiny("tiny-llama").tokenizer
     p = E.prompt_parts(tok, ["One passage.", "Two passage."], "Who?")
     assert p.template == "plain" and p.fragments == ["One passage.", "\n\nTwo passage."]
-    assert p.probe.startswith("\n\nQuestion: Who?") and p.probe.endswith("Answer:")
+    assert p.probe.startswith("\n\nQuestion: Who?") and p.probe.endswith("Answer: ")
 
 
 def test_gemma_turns_are_used_when_the_tokenizer_knows_them_but_carries_no_template():
@@ -112,6 +112,7 @@ def test_gemma_turns_are_used_when_the_tokenizer_knows_them_but_carries_no_templ
 @pytest.mark.parametrize("said, truth, em, has", [
     ("Thusford<|im_end|>", "Thusford", True, True),
     ("  the Thusford.\n\nMore text", "Thusford", True, True),
+    (" Thusford, and later Gukstad", "Thusford", True, True),
     ("1959<end_of_turn>", "1959", True, True),
     ("He lived in Thusford.<|im_end|>", "Thusford", False, True),
     ("Thumby", "Thusford", False, False),

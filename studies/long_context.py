@@ -1,0 +1,129 @@
+"""Full-scale long-context study (issue 14): phase error by position, and KL, exact match and
+agreement with reprefill against the number of fragments, for naive, rerotate, recompute and
+reprefill, with 95% bootstrap CIs.
+
+    nice -n 10 .venv/bin/python studies/long_context.py --model smollm2-135m --counts 2 4 8 --tokens 512
+    nice -n 10 .venv/bin/python studies/long_context.py --model gemma3-270m --counts 2 3 4 --tokens 400
+
+Writes, under --out (default results/): long_context_<model>.csv (one row per question and
+strategy), long_context_<model>.json (CIs, paired differences, wall times, the command) and
+figures. Each fragment count is written as soon as it is done, so a stopped run keeps what
+it finished.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("MPLBACKEND", "Agg")
+
+import kvlab  # noqa: E402
+from kvlab import longctx  # noqa: E402
+
+
+def ci_dict(c):
+    return {"mean": c.mean, "lo": c.lo, "hi": c.hi, "n": c.n}
+
+
+def write(out: Path, model, args, rows, timings, profile, started):
+    name = model.name
+    with open(out / f"long_context_{name}.csv.tmp", "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    os.replace(out / f"long_context_{name}.csv.tmp", out / f"long_context_{name}.csv")
+    summary = [{**{k: v for k, v in r.items() if k not in ("kl", "em", "agree")},
+                **{m: ci_dict(r[m]) for m in ("kl", "em", "agree")}} for r in longctx.summarize(rows)]
+    by_offset = [{**{k: v for k, v in r.items() if k not in ("kl", "em", "agree")},
+                  **{m: ci_dict(r[m]) for m in ("kl", "em", "agree")}}
+                 for r in longctx.summarize(rows, ("n_fragments", "strategy", "answer_offset"))]
+    diffs = {}
+    for k in sorted(t for t in timings if isinstance(t, int)):
+        for m in ("kl", "agree", "em"):
+            diffs[f"{k} fragments: naive - rerotate {m}"] = ci_dict(longctx.paired(rows, "naive", "rerotate", m, where={"n_fragments": k}))
+    doc = {"model": name, "command": " ".join(["studies/long_context.py"] + sys.argv[1:]), "args": vars(args),
+           "wall_s_per_count": timings, "wall_s_total": time.perf_counter() - started,
+           "summary": summary, "paired_differences": diffs, "by_offset": by_offset}
+    if profile is not None:
+        doc["phase"] = [{"layer_type": p.layer_type, "positions": [int(p.positions[0]), int(p.positions[-1])],
+                         "naive_mean_rad": float(p.naive.mean()), "rerotate_max_rad": float(p.rerotate.max())}
+                        for p in profile]
+    tmp = out / f"long_context_{name}.json.tmp"
+    tmp.write_text(json.dumps(doc, indent=1, default=float))
+    os.replace(tmp, out / f"long_context_{name}.json")
+    figures(out, name, rows, profile, args)
+
+
+def figures(out, name, rows, profile, args):
+    import matplotlib.pyplot as plt
+    summ = longctx.summarize(rows)
+    strategies = list(dict.fromkeys(r["strategy"] for r in rows))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4), constrained_layout=True)
+    for j, m in enumerate(("kl", "agree", "em")):
+        for i, s in enumerate(strategies):
+            pts = sorted((r["n_fragments"], r[m]) for r in summ if r["strategy"] == s)
+            x = [p[0] + (i - 1.5) * 0.06 for p in pts]
+            y = [p[1].mean for p in pts]
+            err = [[p[1].mean - p[1].lo for p in pts], [p[1].hi - p[1].mean for p in pts]]
+            axes[j].errorbar(x, y, yerr=err, fmt="o-", capsize=3, label=s)
+        axes[j].set(xlabel=f"fragments of {args.tokens} tokens", xticks=sorted({r['n_fragments'] for r in rows}))
+    axes[0].set(ylabel="next-token KL vs joined prefill (nats)", title=f"{name}: KL, 95% bootstrap CI")
+    axes[1].set(ylabel="answer agreement with reprefill (fraction)", title=f"{name}: agreement with reprefill", ylim=(-0.05, 1.05))
+    axes[2].set(ylabel="exact match with the truth (fraction)", title=f"{name}: exact match", ylim=(-0.05, 1.05))
+    axes[0].legend()
+    fig.savefig(out / f"long_context_{name}.png", dpi=90)
+    plt.close(fig)
+    if profile is not None:
+        fig, ax = plt.subplots(figsize=(10, 3.8), constrained_layout=True)
+        for p in profile:
+            ax.plot(p.positions, p.naive, lw=0.8, label=f"naive, {p.layer_type}")
+            ax.plot(p.positions, p.rerotate, lw=0.8, label=f"rerotate, {p.layer_type}")
+        ax.set(xlabel="position in the merged cache (tokens)", ylabel="mean phase error (rad)",
+               title=f"{name}: phase error vs position, {args.counts[-1]} fragments of {args.tokens} tokens")
+        ax.legend(fontsize=8)
+        fig.savefig(out / f"phase_by_position_{name}.png", dpi=90)
+        plt.close(fig)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--counts", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--max-questions", type=int, default=12)
+    ap.add_argument("--people", type=int, default=2)
+    ap.add_argument("--greedy-tokens", type=int, default=5)
+    ap.add_argument("--ratio", type=float, default=0.15)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-phase", action="store_true", help="skip the phase profile of the largest count")
+    ap.add_argument("--out", default="results")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    model = kvlab.load_model(args.model)
+    rows, timings, profile = [], {}, None
+    for k in args.counts:
+        r, t = longctx.run(model, [k], args.tokens, seed=args.seed, people_per_passage=args.people,
+                           max_questions=args.max_questions, greedy_tokens=args.greedy_tokens, ratio=args.ratio,
+                           log=lambda m: print(m, flush=True))
+        rows += r
+        timings.update(t)
+        write(out, model, args, rows, timings, profile, started)
+    if not args.no_phase:
+        t0 = time.perf_counter()
+        s = longctx.make_set(model, args.counts[-1], args.tokens, seed=args.seed + args.counts[-1], people_per_passage=args.people)
+        frags, _ = kvlab.qa.passage_fragments(model, s)
+        profile = longctx.phase_profile(model, frags)
+        timings["phase_profile"] = time.perf_counter() - t0
+        write(out, model, args, rows, timings, profile, started)
+    print(f"done in {time.perf_counter() - started:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
