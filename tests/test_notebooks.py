@@ -42,6 +42,7 @@ OTHER_PARAMS = {
     "05_fidelity_vs_cost": {"passages": TEXTS[:3], "questions": [" and", " so"], "ratios": [0.1, 0.5], "greedy_tokens": 2,
                             "timing_repeats": 2},
     "06_llama_cpp": {"texts": TEXTS[:2], "probes": [" and then", " so the"], "n_conversion_probes": 3},
+    "07_long_context": {"fragment_counts": [2], "fragment_tokens": 40, "max_questions": 2, "greedy_tokens": 2},
 }
 # Notebooks that run a model's GGUF file in llama.cpp. A tiny model has no GGUF file (it is
 # built from a config in memory, and writing one just for this test would test the writer,
@@ -82,6 +83,8 @@ GEMMA_PARAMS = {
                             "questions": ["\nQuestion: Which ship brought rolls for the paper mill, and from which city? Answer:",
                                           "\nQuestion: Who ordered the machines that still stand in the museum? Answer:"]},
     "06_llama_cpp": {"n_conversion_probes": 3, "probes": [" The ledger is now kept in the city of", " Maren was the keeper's"]},
+    # Two passages of 300 tokens: past the 512-token window, so the sliding layers drop tokens.
+    "07_long_context": {"fragment_counts": [2], "fragment_tokens": 300, "max_questions": 2, "greedy_tokens": 3},
 }
 
 
