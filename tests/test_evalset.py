@@ -157,3 +157,26 @@ def test_stats_refuse_empty_and_non_finite_input():
         mean_ci([1.0, float("nan")])
     with pytest.raises(StatsError, match="n_boot"):
         mean_ci([1.0], n_boot=0)
+
+
+def test_ask_scores_every_question_behind_every_strategy_and_reprefill_is_the_reference():
+    from kvlab import longctx
+
+    model = tiny("tiny-llama")
+    s = E.generate(0, 2, 30, people_per_passage=1)
+    s = E.EvalSet(s.passages, s.questions[:3], s.seed, s.facts)
+    rows = kvlab.ask(model, s, longctx.default_strategies(0.15), greedy_tokens=2)
+    assert len(rows) == 3 * 4
+    assert {r["strategy"] for r in rows} == {"naive", "rerotate", "recompute r=0.15", "reprefill"}
+    frags, _ = kvlab.passage_fragments(model, s)
+    for r in rows:
+        assert r["answer_offset"] == (0, frags[0].length)[r["answer_passage"]]
+        if r["strategy"] == "reprefill":
+            assert r["kl"] == 0.0 and r["agree"] and r["answer"] == r["ref_answer"]
+    naive = [r for r in rows if r["strategy"] == "naive"]
+    assert all(r["kl"] > 0 for r in naive)  # wrong phase: the distribution moves
+    table = longctx.summarize([dict(r, n_fragments=2) for r in rows])
+    assert {(t["n_fragments"], t["strategy"]) for t in table} == {(2, s) for s in longctx.default_strategies(0.15)}
+    assert all(t["n"] == 3 and t["agree"].n == 3 for t in table)
+    d = longctx.paired([dict(r, n_fragments=2) for r in rows], "naive", "reprefill", "kl")
+    assert d.n == 3 and d.mean > 0
