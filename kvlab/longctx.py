@@ -50,7 +50,8 @@ class PhaseProfile:
     Attributes
     ----------
     layer_type : str
-        ``"full_attention"`` or ``"sliding_attention"``.
+        As the model's rotary module names it (``"full_attention"``, ``"sliding_attention"``;
+        ``"default"`` on a model with one layer type).
     positions : np.ndarray
         ``[T]`` positions the layers of this type keep (a sliding layer: the last ``window - 1``).
     naive, rerotate : np.ndarray

@@ -22,6 +22,8 @@ from pathlib import Path
 
 os.environ.setdefault("MPLBACKEND", "Agg")
 
+import numpy as np  # noqa: E402
+
 import kvlab  # noqa: E402
 from kvlab import longctx  # noqa: E402
 
@@ -51,7 +53,7 @@ def write(out: Path, model, args, rows, timings, profile, started):
            "summary": summary, "paired_differences": diffs, "by_offset": by_offset}
     if profile is not None:
         doc["phase"] = [{"layer_type": p.layer_type, "positions": [int(p.positions[0]), int(p.positions[-1])],
-                         "naive_mean_rad": float(p.naive.mean()), "rerotate_max_rad": float(p.rerotate.max())}
+                         "naive_mean_rad": float(np.nanmean(p.naive)), "rerotate_max_rad": float(np.nanmax(p.rerotate))}
                         for p in profile]
     tmp = out / f"long_context_{name}.json.tmp"
     tmp.write_text(json.dumps(doc, indent=1, default=float))
@@ -61,6 +63,8 @@ def write(out: Path, model, args, rows, timings, profile, started):
 
 def figures(out, name, rows, profile, args):
     import matplotlib.pyplot as plt
+    if not rows:
+        return phase_figure(out, name, profile, args, plt)
     summ = longctx.summarize(rows)
     strategies = list(dict.fromkeys(r["strategy"] for r in rows))
     fig, axes = plt.subplots(1, 3, figsize=(15, 4), constrained_layout=True)
@@ -79,6 +83,11 @@ def figures(out, name, rows, profile, args):
     fig.savefig(out / f"long_context_{name}.png", dpi=90)
     plt.close(fig)
     if profile is not None:
+        phase_figure(out, name, profile, args, plt)
+
+
+def phase_figure(out, name, profile, args, plt):
+    if profile is not None:
         fig, ax = plt.subplots(figsize=(10, 3.8), constrained_layout=True)
         for p in profile:
             ax.plot(p.positions, p.naive, lw=0.8, label=f"naive, {p.layer_type}")
@@ -88,6 +97,26 @@ def figures(out, name, rows, profile, args):
         ax.legend(fontsize=8)
         fig.savefig(out / f"phase_by_position_{name}.png", dpi=90)
         plt.close(fig)
+
+
+def phase_only(out: Path, model, args, started):
+    """Phase error by position of the largest count's merge; no questions are read."""
+    s = longctx.make_set(model, args.counts[-1], args.tokens, seed=args.seed + args.counts[-1], people_per_passage=args.people)
+    frags, _ = kvlab.qa.passage_fragments(model, s)
+    profile = longctx.phase_profile(model, frags)
+    lands = kvlab.landing_positions(frags)
+    doc = {"model": model.name, "command": " ".join(["studies/long_context.py"] + sys.argv[1:]),
+           "fragment_lengths": [f.length for f in frags], "landing": lands, "wall_s_total": time.perf_counter() - started,
+           "phase": [{"layer_type": p.layer_type, "positions": [int(p.positions[0]), int(p.positions[-1])],
+                      "naive_mean_rad": float(np.nanmean(p.naive)), "rerotate_max_rad": float(np.nanmax(p.rerotate)),
+                      "naive_by_fragment_rad": {str(a): float(np.nanmean(p.naive[(p.positions >= a) & (p.positions < a + f.length)]))
+                                                for a, f in zip(lands, frags) if ((p.positions >= a) & (p.positions < a + f.length)).any()}}
+                     for p in profile]}
+    tmp = out / f"phase_{model.name}.json.tmp"
+    tmp.write_text(json.dumps(doc, indent=1))
+    os.replace(tmp, out / f"phase_{model.name}.json")
+    figures(out, model.name, [], profile, args)
+    print(f"done in {time.perf_counter() - started:.0f} s", flush=True)
 
 
 def main():
@@ -101,6 +130,8 @@ def main():
     ap.add_argument("--ratio", type=float, default=0.15)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-phase", action="store_true", help="skip the phase profile of the largest count")
+    ap.add_argument("--phase-only", action="store_true",
+                    help="only the phase profile of the largest count (no questions), to phase_<model>.json")
     ap.add_argument("--out", default="results")
     args = ap.parse_args()
     out = Path(args.out)
@@ -108,6 +139,9 @@ def main():
     started = time.perf_counter()
     model = kvlab.load_model(args.model)
     rows, timings, profile = [], {}, None
+    if args.phase_only:
+        phase_only(out, model, args, started)
+        return
     for k in args.counts:
         r, t = longctx.run(model, [k], args.tokens, seed=args.seed, people_per_passage=args.people,
                            max_questions=args.max_questions, greedy_tokens=args.greedy_tokens, ratio=args.ratio,
