@@ -18,11 +18,11 @@ PACKAGE = Path(__file__).resolve().parents[1] / "kvlab"
 
 #: Bottom to top. A module may import from its own layer or any layer below it.
 LAYERS = [
-    {"errors", "atomic", "digests", "tiny", "kernel"},
+    {"errors", "atomic", "digests", "tiny", "kernel", "stats", "evalset"},
     {"models"},
     {"rope", "fragments"},
     {"identity", "strategies", "merge", "recompute", "repro", "catalog", "cacheformat", "cachefile", "sources"},
-    {"references", "case", "metrics", "fidelity", "mismatch", "records"},
+    {"references", "case", "metrics", "fidelity", "mismatch", "records", "qa", "longctx"},
     {"plots", "explorer", "report", "check", "sweep", "peers", "cli"},
 ]
 #: ``kvlab/__init__.py`` re-exports the public API; it sits above everything.
