@@ -87,6 +87,8 @@ def test_readme_kvlab_command(command, tmp_path):
     argv = shlex.split(command)[1:]
     if "--out" in argv:  # write reports into the test's own folder, not the checkout
         argv[argv.index("--out") + 1] = str(tmp_path / "reports")
+    elif argv[0] == "report":  # the default is ./reports: keep the checkout clean
+        argv += ["--out", str(tmp_path / "reports")]
     if argv[0] == "report" and "--only" not in argv:
         # A report of every notebook runs each one once more; nbval already runs every notebook
         # (and test_every_notebook_runs_on_gemma3 on Gemma 3), so here the command runs as written
