@@ -26,7 +26,6 @@ import importlib.util
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,7 +37,7 @@ from safetensors.torch import load_file, save_file
 import kvlab
 import kvlab.identity as fpmod
 from kvlab.fragments import new_cache
-from merge import TUNED  # benchmarks/merge.py: run as a script, this folder is sys.path[0]
+from merge import run_each_malloc  # benchmarks/merge.py: run as a script, this folder is sys.path[0]
 
 
 def median_time(fn, repeats: int, setup=None) -> float:
@@ -189,10 +188,7 @@ def main() -> None:
         for m in models:
             bench_weights(m, max(3, args.repeats // 2))
         del models
-        for mode in ("default", "tuned"):
-            env = dict(os.environ, **(TUNED if mode == "tuned" else {}))
-            print(f"\n== save/load, glibc malloc: {mode} ==", flush=True)
-            subprocess.run([sys.executable, __file__, "--child", mode] + sys.argv[1:], env=env, check=True)
+        run_each_malloc(__file__, sys.argv[1:], title="save/load, glibc malloc")
         return
     bench_files(kvlab.load_model("smollm2-135m"), args.tokens, args.repeats)
 

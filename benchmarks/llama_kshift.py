@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -33,7 +32,7 @@ import kvlab
 from kvlab import peers
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from merge import TUNED, timed  # noqa: E402 (the shared malloc settings and timer)
+from merge import run_each_malloc, timed  # noqa: E402 (the shared malloc runs and timer)
 
 
 def main() -> None:
@@ -43,10 +42,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10)
     args = ap.parse_args()
     if args.child is None:
-        for mode in ("default", "tuned"):
-            env = dict(os.environ, **(TUNED if mode == "tuned" else {}))
-            print(f"\n== glibc malloc: {mode} ==", flush=True)
-            subprocess.run([sys.executable, __file__, "--child", mode] + sys.argv[1:], env=env, check=True)
+        run_each_malloc(__file__, sys.argv[1:])
         return
     torch.manual_seed(0)
     model = kvlab.load_model("smollm2-135m")

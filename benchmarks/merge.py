@@ -26,6 +26,17 @@ import torch
 import kvlab
 
 
+def run_each_malloc(script: str, argv: list[str], modes=("default", "tuned"), title: str = "glibc malloc") -> None:
+    """Run ``script --child MODE argv`` once per malloc mode: glibc's defaults and :data:`TUNED`.
+
+    Malloc settings are read at process start, so each mode needs a process of its own.
+    """
+    for mode in modes:
+        env = dict(os.environ, **(TUNED if mode == "tuned" else {}))
+        print(f"\n== {title}: {mode} ==", flush=True)
+        subprocess.run([sys.executable, script, "--child", mode] + argv, env=env, check=True)
+
+
 def timed(fn, repeats: int) -> float:
     """Median wall time in seconds over ``repeats`` runs (after one warm-up)."""
     fn()
@@ -49,10 +60,7 @@ def main() -> None:
     ap.add_argument("--reprefill-repeats", type=int, default=1)
     args = ap.parse_args()
     if args.child is None:
-        for mode in ("default", "tuned"):
-            env = dict(os.environ, **(TUNED if mode == "tuned" else {}))
-            print(f"\n== glibc malloc: {mode} ==", flush=True)
-            subprocess.run([sys.executable, __file__, "--child", mode] + sys.argv[1:], env=env, check=True)
+        run_each_malloc(__file__, sys.argv[1:])
         return
     torch.manual_seed(0)
     model = kvlab.load_model(args.model)

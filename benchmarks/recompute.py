@@ -18,9 +18,7 @@ takes at most 0.3x the time of reprefill at 2x1024 tokens.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -28,7 +26,7 @@ import torch
 
 import kvlab
 from kvlab.recompute import POLICIES
-from merge import TUNED  # benchmarks/merge.py: run as a script, this folder is sys.path[0]
+from merge import run_each_malloc  # benchmarks/merge.py: run as a script, this folder is sys.path[0]
 
 TARGET = 0.3
 
@@ -46,11 +44,7 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=["default", "tuned"], choices=["default", "tuned"])
     args = ap.parse_args()
     if args.child is None:
-        passthrough = sys.argv[1:]
-        for mode in args.modes:
-            env = dict(os.environ, **(TUNED if mode == "tuned" else {}))
-            print(f"\n== glibc malloc: {mode} ==", flush=True)
-            subprocess.run([sys.executable, __file__, "--child", mode] + passthrough, env=env, check=True)
+        run_each_malloc(__file__, sys.argv[1:], modes=args.modes)
         return
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -375,13 +375,16 @@ def _source(model) -> tuple[str, str | None]:
     return base, s.get("gguf_sha256") or s.get("files_sha256")
 
 
-@functools.lru_cache(maxsize=1)
-def _versions() -> dict:
-    # importlib.metadata reads files on every call (about 10 ms); versions do not change in a process.
+@functools.lru_cache(maxsize=None)
+def package_versions(*dists: str) -> dict:
+    """``{distribution: installed version or None}``, read once per process.
+
+    importlib.metadata reads files on every call (about 10 ms); versions do not change in a process.
+    """
     import importlib.metadata as md
 
     out = {}
-    for dist in ("kvlab", "transformers", "torch", "tokenizers", "safetensors"):
+    for dist in dists:
         try:
             out[dist] = md.version(dist)
         except md.PackageNotFoundError:
@@ -420,7 +423,7 @@ def fingerprint(model, *, weights: bool = True, recompute: bool = False) -> dict
         "quantization": (model.source or {}).get("quantization") or "none",
         "geometry": _geometry_cached(model, config_sha),
         "weights_sha256": _weights_digest_cached(model, recompute) if weights else None,
-        "info": dict(_versions(), model_name=model.name, variant=(model.source or {}).get("variant")),
+        "info": dict(package_versions("kvlab", "transformers", "torch", "tokenizers", "safetensors"), model_name=model.name, variant=(model.source or {}).get("variant")),
     }
     # Round-trip through JSON so a live fingerprint compares equal to one read from a file.
     return json.loads(json.dumps(fp))

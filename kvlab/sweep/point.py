@@ -20,6 +20,7 @@ import threading
 import time
 from pathlib import Path
 
+from ..identity import package_versions
 from .files import read_json, write_atomic, write_json
 
 RECORD_FORMAT = "kvlab-sweep-point-v1"
@@ -44,15 +45,7 @@ def model_digest(model_name) -> tuple[str | None, str | None]:
 
 
 def versions() -> dict:
-    import importlib.metadata as md
-
-    out = {}
-    for dist in ("kvlab", "torch", "transformers", "papermill", "distributed"):
-        try:
-            out[dist] = md.version(dist)
-        except md.PackageNotFoundError:
-            out[dist] = None
-    return out
+    return dict(package_versions("kvlab", "torch", "transformers", "papermill", "distributed"))
 
 
 def _error_text(e: BaseException) -> str:
