@@ -153,6 +153,9 @@ def _write_file(path: Path, tensors: list[tuple[str, torch.Tensor]], header: dic
 
     ``fill_digests=False`` writes ``header`` as it is (tests use it to write edited headers).
     """
+    # One host copy per tensor, hashed and written: from an accelerator, hashing and the
+    # library's writer would each copy it to the CPU otherwise.
+    tensors = [(name, t.detach().cpu().contiguous()) for name, t in tensors]
     if fill_digests:
         digests = {name: tensor_digest(t) for name, t in tensors}
         header["tensors"] = digests
@@ -308,8 +311,6 @@ def load_cache(path, model: LoadedModel, *, strict: bool = True, allow_unverifie
         Missing, empty, a directory, truncated, corrupt, tampered, a wrong format version,
         or a pickle (refused unopened).
     """
-    if not isinstance(model, LoadedModel):
-        raise CacheFileError(f"load_cache needs the reading kvlab.LoadedModel, got {type(model).__name__}")
     return load_with_differences(path, model, strict=strict, allow_unverified=allow_unverified)[0]
 
 

@@ -60,9 +60,14 @@ class FidelityReference:
         greedy : list of int
             ``greedy_tokens`` greedy token ids after ``probe``.
         """
+        # A reading of the same probe with at least as many greedy tokens answers this one: the
+        # distribution comes from the first forward pass whatever the length, and a shorter
+        # greedy continuation is a prefix of a longer one.
         key = (probe, greedy_tokens)
         if key not in self._reads:
-            self._reads[key] = read_probe(self.model, self.cache, probe, greedy_tokens)
+            longer = [v for (p, n), v in self._reads.items() if p == probe and n >= greedy_tokens]
+            self._reads[key] = ((longer[0][0], longer[0][1][:greedy_tokens]) if longer
+                                else read_probe(self.model, self.cache, probe, greedy_tokens))
         return self._reads[key]
 
 

@@ -8,9 +8,9 @@ drive it by setting widget values, with or without a browser.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import html
 import io
+import math
 
 import ipywidgets as W
 import matplotlib.pyplot as plt
@@ -215,7 +215,8 @@ class MergeExplorer:
             return
         li, hi = self.layer.value, self.head.value
         p = self.phases[li]
-        head_err = max_phase_error([dataclasses.replace(p, angle=p.angle[hi : hi + 1])])
+        head = p.angle[hi][~p.masked[hi]]
+        head_err = float(head.max()) if head.numel() else math.nan
         lt = self.layer_type.value
         typed = max_phase_error(self.phases, None if lt == ALL_LAYERS else lt)
         self.state.update(layer=li, head=hi, max_phase_error_layer_head=head_err, layer_type=lt,

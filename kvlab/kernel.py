@@ -9,7 +9,6 @@ from __future__ import annotations
 from .errors import KernelMissing
 
 KERNEL_NAME = "kvlab"
-KERNELSPEC = {"name": KERNEL_NAME, "display_name": "Python (kvlab)", "language": "python"}
 
 
 def kernel_name() -> str:

@@ -154,18 +154,15 @@ class LayerPhase:
     layer_type : str
     key_scale : float
         ``max |K_ref|`` over the layer, the scale of its rounding noise.
-    rms_pair_norm : float
-        Root mean square of the reference's pair norms; the masking threshold is relative to it.
     """
 
     positions: torch.Tensor
     angle: torch.Tensor
     inv_freq: torch.Tensor
     layer_type: str
-    norm: torch.Tensor | None = None
-    weight: torch.Tensor | None = None
-    key_scale: float = 0.0
-    rms_pair_norm: float = 0.0
+    norm: torch.Tensor
+    weight: torch.Tensor
+    key_scale: float
 
     @property
     def masked(self) -> torch.Tensor:
@@ -212,8 +209,7 @@ def phase_error(cache: DynamicCache, ref: DynamicCache, model: LoadedModel,
             angle = angle.masked_fill((norm <= min_norm * rms) | (norm == 0), math.nan)
         # Small per-pair maps, read by plots and tables: on the CPU whatever the cache's device.
         out.append(LayerPhase(pos, angle.float().cpu(), rope.inv_freq.cpu(), rope.layer_type, norm=norm.float().cpu(),
-                              weight=(nx * ny).float().cpu(), key_scale=float(kr.abs().max()) if kr.numel() else 0.0,
-                              rms_pair_norm=rms))
+                              weight=(nx * ny).float().cpu(), key_scale=float(kr.abs().max()) if kr.numel() else 0.0))
     return out
 
 

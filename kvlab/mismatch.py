@@ -124,7 +124,8 @@ def _finetune(module: torch.nn.Module, tokenizer, *, steps: int, lr: float, seed
     ids = torch.tensor(tokenizer(finetune_text(), add_special_tokens=False)["input_ids"], dtype=torch.long)
     if ids.numel() <= seq_len:
         raise KvlabError(f"the fine-tune text is {ids.numel()} tokens, fewer than seq_len={seq_len}")
-    dtype, device = next(module.parameters()).dtype, next(module.parameters()).device
+    first = next(module.parameters())
+    dtype, device = first.dtype, first.device
     module.float()
     # Embeddings are tied in both real models and dominate the optimizer state; a
     # fine-tune of every block already moves every cached key and value.

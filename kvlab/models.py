@@ -363,8 +363,6 @@ def quiet_transformers():
             tf_logging.enable_progress_bar()
 
 
-
-
 def load_model(name: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32) -> LoadedModel:
     """Load a model by kvlab name, offline.
 

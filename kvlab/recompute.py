@@ -622,8 +622,7 @@ def write_back(decoder: Decoder, layer, slots: torch.Tensor, keys: torch.Tensor,
 
 
 @torch.inference_mode()
-def recompute_tokens(decoder: Decoder, merged: DynamicCache, slots: torch.Tensor,
-                     rotator: KeyRotator | None = None) -> None:
+def recompute_tokens(decoder: Decoder, merged: DynamicCache, slots: torch.Tensor, rotator: KeyRotator) -> None:
     """Steps 2-4: replace, in place, the K/V of the tokens at ``slots`` in every layer of ``merged``.
 
     Parameters
@@ -634,9 +633,7 @@ def recompute_tokens(decoder: Decoder, merged: DynamicCache, slots: torch.Tensor
         caller (nothing in it aliases a fragment).
     slots : torch.Tensor
         ``[k]`` ascending merged positions, ``k >= 1``.
-    rotator : KeyRotator, optional
+    rotator : KeyRotator
         The merge's key rotator, reused for the fragments' sliding tails.
     """
-    if rotator is None:
-        rotator = KeyRotator(decoder.model, decoder.fragments, decoder.landings)
     run_layers(decoder, slots, len(decoder.layers), lambda li: layer_inputs(decoder, merged, li, slots, rotator))

@@ -23,6 +23,7 @@ turns them back into floats.
 """
 from __future__ import annotations
 
+import json
 import math
 import numbers
 from pathlib import Path
@@ -190,7 +191,6 @@ def read_records(notebook_path) -> list[dict]:
                 continue
             rec = data[MIME_TYPE]
             if isinstance(rec, str):  # some writers store JSON MIME bundles as text
-                import json
                 rec = json.loads(rec)
             rec = dict(rec)
             for k in ("value", "ci_low", "ci_high"):

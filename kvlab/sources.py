@@ -138,10 +138,7 @@ def wrap(model: torch.nn.Module, tokenizer, name: str | None = None) -> LoadedMo
                          "first (kvlab does not change the model it is given)")
     if name is None:
         name = Path(str(getattr(config, "_name_or_path", "") or "")).name or type(model).__name__
-    quant = getattr(config, "quantization_config", None)
-    method = (quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)) if quant else None
-    source = {"kind": "live", "name": name, "class": type(model).__name__,
-              "quantization": str(getattr(method, "value", method)) if method else "none"}
+    source = {"kind": "live", "name": name, "class": type(model).__name__, "quantization": _quantization(config)}
     loaded = LoadedModel(model=model, tokenizer=tokenizer, name=name, config=config, source=source)
     check_rotation(loaded)
     return loaded
@@ -349,16 +346,23 @@ def _load_folder(folder: Path, dtype: torch.dtype) -> LoadedModel:
     except (OSError, ValueError, ImportError) as e:
         raise ModelError(f"transformers could not load the weights in {folder}: {e}") from None
     model.eval()
-    quant = getattr(model.config, "quantization_config", None)
-    method = (quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)) if quant else None
     source = {"kind": "folder", "name": folder.name, "path": str(folder), "files_sha256": digest, "files": files,
-              "quantization": str(getattr(method, "value", method)) if method else "none",
+              "quantization": _quantization(model.config),
               # Digests kept for the next process go here, never into the user's folder.
               "fingerprint_dir": str(cache_root() / "folders" / f"{folder.name}-{digest[:16]}")}
     return LoadedModel(model=model, tokenizer=tokenizer, name=folder.name, config=model.config, source=source)
 
 
 # --------------------------------------------------------------------------- GGUF files
+
+
+def _quantization(config) -> str:
+    """The quantization method a transformers config names (``bitsandbytes``, ``gptq`` ...), or ``none``."""
+    quant = getattr(config, "quantization_config", None)
+    if not quant:
+        return "none"
+    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+    return str(getattr(method, "value", method)) if method else "none"
 
 
 def _catalogue_spec(path: Path, sha: str) -> GGUFSpec | None:

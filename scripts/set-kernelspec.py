@@ -30,6 +30,7 @@ def set_kernelspec(path: Path) -> bool:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     with os.fdopen(fd, "w") as f:
         f.write(new)
+    os.chmod(tmp, path.stat().st_mode & 0o777)  # mkstemp makes 0600; keep the notebook's own mode
     os.replace(tmp, path)
     return True
 

@@ -264,8 +264,14 @@ def test_set_kernelspec_changes_only_the_kernelspec(tmp_path):
 
     src = NB / "01_phase_error.ipynb"
     dst = tmp_path / src.name
-    dst.write_text(src.read_text())
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "set-kernelspec.py"), str(dst)], check=True, capture_output=True)
+    other = json.loads(src.read_text())
+    other["metadata"]["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    dst.write_text(json.dumps(other, indent=1, ensure_ascii=False) + "\n")  # as Jupyter writes it
+    dst.chmod(0o644)
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "set-kernelspec.py"), str(dst)], check=True,
+                         capture_output=True, text=True)
+    assert "set" in run.stdout and "already" not in run.stdout
+    assert dst.stat().st_mode & 0o777 == 0o644
     before, after = json.loads(src.read_text()), json.loads(dst.read_text())
     assert after["metadata"]["kernelspec"] == {"name": "kvlab", "display_name": "Python (kvlab)", "language": "python"}
     after["metadata"]["kernelspec"] = before["metadata"]["kernelspec"]

@@ -89,12 +89,10 @@ def test_yarn_scale_applied_once():
         k, kr = merged.layers[li].keys[..., n1:, :], ref.layers[li].keys[..., n1:, :]
         # Norms of the moved keys equal the reference's (scale once) ...
         assert torch.allclose(k.norm(dim=-1), kr.norm(dim=-1), rtol=1e-5, atol=0)
-        # ... and a rotation by the scaled tables (the scale applied twice) is off by the factor s.
-        twice = rotate_keys(frags[1].cache.layers[li].keys, rope.inv_freq, n1)
+        # ... and not those of the scale applied twice (rotated pairs s times longer).
         r = rope.rotary_dim
-        twice[..., :r] *= s
-        ratio = twice[..., :r].norm(dim=-1) / kr[..., : frags[1].length, :r].norm(dim=-1)
-        assert torch.allclose(ratio, torch.full_like(ratio, s), rtol=1e-4)
+        ratio = k[..., :r].norm(dim=-1) / kr[..., :r].norm(dim=-1)
+        assert not torch.allclose(ratio, torch.full_like(ratio, s), rtol=1e-2)
 
 
 def test_partial_rotary_passes_other_dims_through_bit_for_bit():

@@ -1,6 +1,7 @@
 """Crash-safe files: every sweep output is written to a temporary name and renamed."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -8,8 +9,13 @@ from pathlib import Path
 from ..atomic import atomic_write_text
 
 
-_UMASK = os.umask(0)
-os.umask(_UMASK)
+@functools.cache
+def _umask() -> int:
+    # os.umask can only be read by setting it; done once, on first write, not at import (where
+    # it would briefly set a process-wide 0 under other threads of a kernel or Dask worker).
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def write_atomic(path, text: str) -> Path:
@@ -20,7 +26,7 @@ def write_atomic(path, text: str) -> Path:
     makes (``0666`` less the umask), not ``0600`` as a temporary file is created.
     """
     path = Path(path)
-    atomic_write_text(path, text, mode=0o666 & ~_UMASK)
+    atomic_write_text(path, text, mode=0o666 & ~_umask())
     return path
 
 

@@ -34,7 +34,7 @@ def model_digest(model_name) -> tuple[str | None, str | None]:
     if model_name not in _DIGESTS:
         try:
             from ..identity import fingerprint
-            from ..models import load_model
+            from ..sources import load_model  # catalogue names and paths alike
 
             model = load_model(model_name)
             _DIGESTS[model_name] = (fingerprint(model, weights=True)["weights_sha256"], None)
