@@ -3,7 +3,9 @@ fragments, model, layer type, layer and head; see the phase error, the |K - ref|
 the next-token KL update.
 
 ``MergeExplorer`` keeps everything it shows in ``.state`` and ``.figures`` so tests can
-drive it by setting widget values, with or without a browser.
+drive it by setting widget values, with or without a browser. Work that runs longer than
+``progress_after`` seconds (a long merge, a recompute, a new model) shows a progress bar
+named for its current step, hidden again once the change is drawn.
 """
 from __future__ import annotations
 
@@ -11,12 +13,14 @@ import contextlib
 import html
 import io
 import math
+import time
 
 import ipywidgets as W
 import matplotlib.pyplot as plt
 
 from .case import DEFAULT_PROBES, DEFAULT_TEXTS, Case
 from .errors import KvlabError
+from .fragments import prefill
 from .merge import merge
 from .metrics import kv_diff, max_phase_error, next_token_kl, phase_beyond_rounding, phase_error, weighted_phase_error
 from .models import DEFAULT_MODEL, LoadedModel
@@ -39,6 +43,8 @@ PRESET_TEXTS = [
     " The island has had no keeper since 1978; the light runs itself from the mainland.",
 ]
 ALL_LAYERS = "all layers"
+#: Seconds a change may work before its progress bar shows: quicker changes would only flicker it.
+PROGRESS_AFTER_S = 0.3
 
 
 class MergeExplorer:
@@ -54,10 +60,24 @@ class MergeExplorer:
         Probe texts for the next-token KL table.
     models : list of str
         Choices of the model dropdown.
+    progress_after : float
+        Seconds a change works before its progress bar shows (0: always shown while working).
+
+    Attributes
+    ----------
+    draws : int
+        How many times the figures were drawn: one per change (tests count redraws with it).
+    work : dict
+        The last change's work: ``steps`` (labels, in order), ``seconds`` and ``shown`` (whether
+        its progress bar appeared).
     """
 
     def __init__(self, model: str | LoadedModel = DEFAULT_MODEL, texts: list[str] | None = None,
-                 probes: list[str] | None = None, models: list[str] | None = None):
+                 probes: list[str] | None = None, models: list[str] | None = None,
+                 progress_after: float = PROGRESS_AFTER_S):
+        if isinstance(progress_after, bool) or not (isinstance(progress_after, (int, float)) and progress_after >= 0):
+            raise KvlabError(f"progress_after must be seconds >= 0, got {progress_after!r}")
+        self.progress_after = float(progress_after)
         self._models: dict[str, LoadedModel] = {}
         if isinstance(model, LoadedModel):
             self._models[model.name] = model
@@ -86,11 +106,26 @@ class MergeExplorer:
                                    continuous_update=False)
         self.readout = W.HTML()
         self.table = W.HTML()
+        # Classes name the parts a browser test (or a stylesheet) looks for.
+        self.table.add_class("kvlab-kl-table")
         # Figures are shown as PNG bytes in Image widgets: plain widget state that any front end
         # draws whenever it renders the explorer (an Output widget capturing display() lost the
         # first render in JupyterLab, and left the inline backend to print stray copies).
         self.images = {"phase": W.Image(format="png"), "heatmap": W.Image(format="png")}
+        for name, image in self.images.items():
+            image.add_class(f"kvlab-plot-{name}")
         self.plots = W.VBox(list(self.images.values()))
+        # Progress of the change being worked on: the bar counts its steps, the label names the
+        # current one. Kernel-side updates reach the page while the change still runs (each is
+        # its own comm message), so a long merge is not a frozen page.
+        self.progress = W.IntProgress(min=0, max=1, value=0, description="working", bar_style="info")
+        self.status = W.Label()
+        self.busy = W.HBox([self.progress, self.status], layout=W.Layout(display="none"))
+        self.busy.add_class("kvlab-progress")
+        self.status.add_class("kvlab-progress-step")
+        self.draws = 0
+        self.work: dict = {}
+        self._work: dict | None = None
         self.state: dict = {}
         self.figures: dict = {}
         self._key = None
@@ -104,7 +139,7 @@ class MergeExplorer:
         self.widget = W.VBox([
             W.HBox([self.model, self.strategy, self.ratio, self.policy]), self.fragment_box,
             W.HBox([self.add_fragment, self.remove_fragment]), W.HBox([self.layer_type, self.layer, self.head]),
-            self.readout, self.plots, self.table,
+            self.busy, self.readout, self.plots, self.table,
         ])
         self._sync_ratio_visibility()
 
@@ -132,23 +167,81 @@ class MergeExplorer:
     def _get_model(self) -> LoadedModel:
         name = self.model.value
         if name not in self._models:
+            self._step(f"loading {name}")
             self._models[name] = load_model(name)
         return self._models[name]
+
+    # -- progress --------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _working(self, total: int):
+        """One change's work, ``total`` steps; nested calls join the outer one. Hides the bar at the end."""
+        if self._work is not None:
+            self._work["total"] += total
+            yield
+            return
+        self._work = {"t0": time.monotonic(), "total": total, "steps": [], "shown": False}
+        try:
+            yield
+        finally:
+            w, self._work = self._work, None
+            self.work = {"steps": w["steps"], "seconds": time.monotonic() - w["t0"], "shown": w["shown"]}
+            if w["shown"]:
+                self.busy.layout.display = "none"
+
+    def _step(self, label: str) -> None:
+        """Start the next step of the current change; show the bar once the change has run
+        ``progress_after`` seconds (the step that starts then is the first one shown)."""
+        w = self._work
+        if w is None:
+            return
+        done = len(w["steps"])
+        w["steps"].append(label)
+        if not w["shown"] and time.monotonic() - w["t0"] < self.progress_after:
+            return
+        if not w["shown"]:
+            self.progress.value = 0  # first: lowering max below the last change's value would clamp it
+        # Steps are planned before the work starts; a step the plan missed widens the bar.
+        self.progress.max = max(w["total"], done + 1)
+        self.status.value = f"{label} ({done + 1}/{self.progress.max})"
+        self.progress.value = done
+        if not w["shown"]:
+            w["shown"] = True
+            self.busy.layout.display = None
 
     def _options(self) -> dict:
         fields = getattr(STRATEGIES[self.strategy.value], "__dataclass_fields__", {})
         return {k: w.value for k, w in (("ratio", self.ratio), ("policy", self.policy)) if k in fields}
 
     def _recompute_inputs(self) -> None:
+        texts = [t.value for t in self.texts]
+        new = (self.model.value, tuple(texts)) != self._key
+        # Steps: [load], prefill per fragment, both references, a reading per probe; then the
+        # merge, its errors, a KL per probe and two figures.
+        total = (len(texts) + 2 + len(self.probes) if new else 0) + 2 + len(self.probes) + 2
+        with self._working(total + (self.model.value not in self._models)):
+            self._recompute(texts)
+
+    def _recompute(self, texts: list[str]) -> None:
         m = self._get_model()
-        key = (m.name, tuple(t.value for t in self.texts))
+        key = (m.name, tuple(texts))
         if key != self._key:
             self._key = key
             # No render of the old model's merge while the sliders' ranges change below.
             self.merged = None
-            self.case = Case.from_texts(m, [t.value for t in self.texts], self.probes)
-            self.frags, self.phase_ref, self.joined = self.case.fragments, self.case.phase, self.case.context
-            self.joined_dists = self.case.context_dists
+            frags = []
+            for i, t in enumerate(texts):
+                self._step(f"prefilling fragment {i}")
+                frags.append(prefill(m, t, bos=(i == 0)))  # as Case.from_texts does, one step each
+            self.case = Case(m, frags, self.probes)
+            self._step("phase reference (each fragment at its landing)")
+            self.frags, self.phase_ref = self.case.fragments, self.case.phase
+            self._step("context reference (the joined prefill)")
+            self.joined = self.case.context
+            self.joined_dists = []
+            for i, p in enumerate(self.probes):
+                self._step(f"reading probe {i} behind the joined prefill")
+                self.joined_dists.append(self.case.reference.read(p, 0)[0])
             self.landings = self.case.landings
             # Lowering max clamps value (ipywidgets validates it).
             self.layer.max = len(self.phase_ref.layers) - 1
@@ -163,6 +256,7 @@ class MergeExplorer:
         m = self._get_model()
         name = self.strategy.value
         self.state = {"model": m.name, "strategy": name, "options": self._options()}
+        self._step(f"merging {len(self.frags)} fragments: {self._label()}")
         try:
             self.merged = merge(self.frags, name, m, **self._options())
         except KvlabError as e:
@@ -170,9 +264,13 @@ class MergeExplorer:
             self.state["refused"] = str(e)
             self._render()
             return
+        self._step("phase error and |K - ref|")
         self.phases = phase_error(self.merged, self.phase_ref, m)
         self.diffs = kv_diff(self.merged, self.phase_ref)
-        self.kl = next_token_kl(m, self.merged, self.joined, self.probes, self.joined_dists)
+        self.kl = []
+        for i, (p, d) in enumerate(zip(self.probes, self.joined_dists, strict=True)):
+            self._step(f"next-token KL, probe {i}")
+            self.kl += next_token_kl(m, self.merged, self.joined, [p], [d])
         self.state["max_phase_error"] = max_phase_error(self.phases)
         self.state["weighted_phase_error"] = weighted_phase_error(self.phases)
         self.state["phase_beyond_rounding"] = phase_beyond_rounding(self.phases)
@@ -194,16 +292,24 @@ class MergeExplorer:
             # Jump to the first layer of that type; the layer slider's observer redraws once.
             self.layer.value = next(i for i, p in enumerate(self.phases) if p.layer_type == t)
         else:
-            self._render()
+            with self._working(2):
+                self._render()
 
     def _on_view(self, change) -> None:
         if self.merged is not None:
-            self._render()
+            with self._working(2):  # the two figures
+                self._render()
 
     def _sync_ratio_visibility(self) -> None:
         opts = self._options()
         self.ratio.layout.display = None if "ratio" in opts else "none"
         self.policy.layout.display = None if "policy" in opts else "none"
+
+    def _label(self) -> str:
+        """The strategy as the readout and KL table name it, with its recompute options."""
+        opts = self.state.get("options") or {}
+        shown = ", ".join(f"r={v:g}" if k == "ratio" else f"policy {v}" for k, v in opts.items())
+        return f"{self.state['strategy']}" + (f" ({shown})" if shown else "")
 
     def _render(self) -> None:
         self.figures = {}
@@ -223,7 +329,7 @@ class MergeExplorer:
                           max_phase_error_layer_type=typed, n_fragments=len(self.frags))
         over = "all layers" if lt == ALL_LAYERS else f"{lt} layers"
         self.readout.value = (
-            f"<b>{self.state['model']} / {self.state['strategy']}</b>, {len(self.frags)} fragments: max phase error "
+            f"<b>{self.state['model']} / {html.escape(self._label())}</b>, {len(self.frags)} fragments: max phase error "
             f"over all layers <span class='kvlab-max-phase'>{self.state['max_phase_error']:.3e}</span> rad"
             + ("" if lt == ALL_LAYERS else f"; over {over} <span class='kvlab-max-phase-type'>{typed:.3e}</span> rad")
             + f"; layer {li}, head {hi}: "
@@ -233,25 +339,34 @@ class MergeExplorer:
             f"<tr><td>{html.escape(r['probe'])}</td><td>{r['kl']:.4f}</td><td>{html.escape(r['top1_ref'])}</td>"
             f"<td>{html.escape(r['top1'])}</td><td>{'yes' if r['agree'] else 'no'}</td></tr>" for r in self.kl
         )
-        self.table.value = ("<table><tr><th>probe</th><th>KL (nats)</th><th>top-1 joined</th><th>top-1 merged</th>"
-                            f"<th>agree</th></tr>{rows}</table>")
+        caption = (f"next-token KL against the joined prefill: {html.escape(self.state['model'])} / "
+                   f"{html.escape(self._label())}, {len(self.frags)} fragments")
+        self.table.value = (f"<table class='kvlab-kl'><caption>{caption}</caption><tr><th>probe</th><th>KL (nats)</th>"
+                            f"<th>top-1 joined</th><th>top-1 merged</th><th>agree</th></tr>{rows}</table>")
         if not self._draw:
             return  # hold_drawing() renders once, figures included, when it ends
-        title = (f"{self.state['model']} / {self.state['strategy']}: phase error, layer {li} ({p.layer_type}), "
-                 f"head {hi}")
+        # Titles name the options too: a figure always says which merge it shows.
+        title = f"{self.state['model']} / {self._label()}: phase error, layer {li} ({p.layer_type}), head {hi}"
+        self._step("drawing the phase plot")
         self.figures["phase"] = phase_vs_position_head(p, hi, title, self.landings)
-        self.figures["heatmap"] = kv_heatmap(self.diffs, self.state["model"], self.state["strategy"], "phase ref",
+        self._step("drawing the heatmap")
+        self.figures["heatmap"] = kv_heatmap(self.diffs, self.state["model"], self._label(), "phase ref",
                                              self.landings, layer=li)
         for fig in self.figures.values():
             plt.close(fig)  # off pyplot's list, so the inline backend does not print them below the cell
         self._draw_figures()
 
     def _draw_figures(self) -> None:
+        # Encode both first, then set both: the page swaps the two images together, once.
+        pngs = {}
         for name, fig in self.figures.items():
             buf = io.BytesIO()
             fig.savefig(buf, format="png", bbox_inches="tight")
-            self.images[name].value = buf.getvalue()
+            pngs[name] = buf.getvalue()
+        for name, png in pngs.items():
+            self.images[name].value = png
         self.plots.layout.display = None
+        self.draws += 1
 
     @contextlib.contextmanager
     def hold_drawing(self):
@@ -261,7 +376,8 @@ class MergeExplorer:
             yield self
         finally:
             self._draw = True
-            self._render()  # show what the state now says
+            with self._working(2):
+                self._render()  # show what the state now says
 
     def _ipython_display_(self):
         from IPython.display import display

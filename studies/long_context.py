@@ -8,7 +8,7 @@ reprefill, with 95% bootstrap CIs.
 Writes, under --out (default results/): long_context_<model>.csv (one row per question and
 strategy), long_context_<model>.json (CIs, paired differences, wall times, the command) and
 figures. Each fragment count is written as soon as it is done, so a stopped run keeps what
-it finished.
+it finished. On a terminal a progress bar counts the fragment counts done.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from pathlib import Path
 os.environ.setdefault("MPLBACKEND", "Agg")
 
 import numpy as np  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
 import kvlab  # noqa: E402
 from kvlab import longctx  # noqa: E402
@@ -138,6 +139,10 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     model = kvlab.load_model(args.model)
+    # Each count reads every strategy over its questions (minutes): a bar on a terminal, none
+    # when stderr is a file or pipe (a background run's log), as kvlab's own bars do.
+    bar = tqdm(total=len(args.counts), desc=f"{model.name} fragment counts", unit="count",
+               disable=args.phase_only or not sys.stderr.isatty())
     rows, timings, profile = [], {}, None
     if args.phase_only:
         phase_only(out, model, args, started)
@@ -148,7 +153,9 @@ def main():
                            log=lambda m: print(m, flush=True))
         rows += r
         timings.update(t)
+        bar.update(1)
         write(out, model, args, rows, timings, profile, started)
+    bar.close()
     if not args.no_phase:
         t0 = time.perf_counter()
         s = longctx.make_set(model, args.counts[-1], args.tokens, seed=args.seed + args.counts[-1], people_per_passage=args.people)

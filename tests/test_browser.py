@@ -4,8 +4,14 @@ JupyterLab serves a temporary copy of notebooks/04_merge_explorer.ipynb (outputs
 widget state stripped, so everything shown comes from a live kernel); headless Chromium
 (Debian's /usr/bin/chromium, driven by Playwright) runs all cells from the Run menu, waits for
 the explorer, switches the strategy dropdown from naive to rerotate and reads the max phase
-error off the rendered page. Screenshots go to test-artifacts/, and the explorer's picture to
-docs/explorer.png for the README.
+error off the rendered page. Then it drives the other controls as a user would, on the small
+seeded tiny-gemma3 (two layer types, quick to merge): the model dropdown, the recompute
+strategy with its policy and ratio, the "add fragment" button and the layer-type choice.
+After each change it checks what the page draws: the readout and the KL table's caption name
+the new model, strategy, options and fragment count, each figure's image was replaced exactly
+once (one redraw per change), and the progress bar is gone once the change is drawn (and was
+seen, naming its step, during the slower smollm2 changes). Screenshots go to test-artifacts/,
+and the explorer's picture to docs/explorer.png for the README.
 
 Skipped, with the reason, when Playwright or Chromium is missing (in CI, CI=true, it fails instead) (scripts/install-browser.sh
 installs Chromium; `make test` runs it). Playwright's own browser download is never used.
@@ -39,7 +45,7 @@ CHROMIUM_FLAGS = [
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
 ]
-BUDGET_S = 140          # the browser session: page load, all cells, the switch (server start: SERVER_START_S)
+BUDGET_S = 200          # the browser session: page load, all cells, the changes (server start: SERVER_START_S)
 SERVER_START_S = 40
 STOP_S = 10             # graceful shutdown before the server's process group is killed
 
@@ -222,6 +228,85 @@ _BLANK_IMGS = """imgs => imgs.map(img => {
 })"""
 
 
+# Counts what the page redraws between two calls of _MONITOR_RESET: src replacements of each
+# figure's <img>, rewrites of the KL table, and every progress label seen while the bar showed.
+_MONITOR_INSTALL = """sel => {
+    const ex = document.querySelector(sel);
+    window.__kvlab = {src: {}, table: 0, shown: false, labels: []};
+    const bar = ex.querySelector('.kvlab-progress');
+    const look = () => {
+        if (!bar || getComputedStyle(bar).display === 'none') return;
+        window.__kvlab.shown = true;
+        const label = bar.querySelector('.kvlab-progress-step');
+        const text = label ? label.innerText : '';
+        const l = window.__kvlab.labels;
+        if (text && l[l.length - 1] !== text) l.push(text);
+    };
+    new MutationObserver(records => {
+        const m = window.__kvlab;
+        for (const r of records) {
+            const t = r.target;
+            if (r.type === 'attributes' && r.attributeName === 'src' && t.tagName === 'IMG') {
+                const name = [...t.classList].find(c => c.startsWith('kvlab-plot-')) || 'other';
+                m.src[name] = (m.src[name] || 0) + 1;
+            }
+            if (r.type === 'childList' && t.parentElement && t.parentElement.classList.contains('kvlab-kl-table')) m.table++;
+        }
+        look();
+    }).observe(ex, {subtree: true, childList: true, attributes: true, characterData: true});
+    return !!bar;
+}"""
+_MONITOR_RESET = "() => { Object.assign(window.__kvlab, {src: {}, table: 0, shown: false, labels: []}); }"
+_CHANGE_DRAWN = """([sel, pattern, readoutPattern, tables]) => {
+    const ex = document.querySelector(sel);
+    const m = window.__kvlab;
+    const readout = ex.querySelector('.widget-html-content:has(.kvlab-max-phase)');
+    const caption = ex.querySelector('.kvlab-kl-table caption');
+    const bar = ex.querySelector('.kvlab-progress');
+    const imgs = [...ex.querySelectorAll('img')];
+    return readout && new RegExp(readoutPattern).test(readout.innerText)
+        && caption && new RegExp(pattern).test(caption.innerText)
+        && m.src['kvlab-plot-phase'] >= 1 && m.src['kvlab-plot-heatmap'] >= 1 && m.table >= tables
+        && getComputedStyle(bar).display === 'none' && imgs.every(e => e.complete && e.naturalWidth > 0);
+}"""
+
+
+def _control(page, kind: str, label: str):
+    """The explorer's widget of this kind (dropdown, hslider) whose label reads ``label``."""
+    return page.locator(f"{EXPLORER} .widget-{kind}").filter(
+        has=page.locator("label", has_text=re.compile(f"^{re.escape(label)}$")))
+
+
+def _change(page, act, expect: str, left_ms, timings: dict, name: str, *, readout: str | None = None,
+            tables: int = 1) -> dict:
+    """Do one change and wait until the page has drawn it: the KL table's caption matches
+    ``expect`` and the readout ``readout`` (regexes; the readout defaults to ``expect``), both
+    figures were replaced, the progress bar is hidden, and the kernel is idle (so a second
+    redraw would have arrived). The table is rewritten ``tables`` times: once for a new merge,
+    never for a new view of the same one (its text is the same). Returns what the page redrew."""
+    page.evaluate(_MONITOR_RESET)
+    t0 = time.monotonic()
+    act()
+    page.wait_for_function(_CHANGE_DRAWN, arg=[EXPLORER, expect, readout or expect, tables], timeout=left_ms(),
+                           polling=100)
+    _wait_kernel_idle(page, left_ms())
+    timings[name] = time.monotonic() - t0
+    seen = page.evaluate("() => JSON.parse(JSON.stringify(window.__kvlab))")
+    caption = page.locator(f"{EXPLORER} .kvlab-kl-table caption").inner_text()
+    assert seen["src"] == {"kvlab-plot-phase": 1, "kvlab-plot-heatmap": 1}, f"{name}: figures redrawn {seen['src']}"
+    assert seen["table"] == tables, f"{name}: the KL table was rewritten {seen['table']} times, not {tables}"
+    assert page.locator(f"{EXPLORER} .kvlab-progress").is_hidden(), f"{name}: the progress bar stayed"
+    for label in seen["labels"]:  # "<step> (i/n)": what the kernel was doing, i of n steps
+        assert re.fullmatch(r".+ \((\d+)/(\d+)\)", label), f"{name}: progress label {label!r}"
+    return {**seen, "caption": caption}
+
+
+def _kl_column(page) -> list[float]:
+    rows = page.locator(f"{EXPLORER} .kvlab-kl-table tr").evaluate_all(
+        "rows => rows.slice(1).map(r => r.cells[1].innerText)")
+    return [float(x) for x in rows]
+
+
 def _readout(page) -> tuple[str, float]:
     text = page.locator(f"{EXPLORER} .widget-html-content:has({MAX_PHASE})").inner_text()
     return text, float(page.locator(MAX_PHASE).inner_text())
@@ -284,6 +369,8 @@ def test_merge_explorer_in_jupyterlab(browser_page, lab):  # browser first: skip
         assert dropdown.count() == 1
         select = dropdown.locator("select")
         assert select.input_value() == "naive"
+        assert page.evaluate(_MONITOR_INSTALL, EXPLORER), "the explorer has no progress bar"
+        page.evaluate(_MONITOR_RESET)
         t_switch = time.monotonic()
         select.select_option("rerotate", timeout=left_ms())
 
@@ -297,13 +384,60 @@ def test_merge_explorer_in_jupyterlab(browser_page, lab):  # browser first: skip
                         && srcs.length === 2 && srcs.every(s => !old.includes(s)) && loaded;
                }""",
             arg=[f"{EXPLORER} {MAX_PHASE}", PLOT_IMGS, sorted(srcs_before)], timeout=left_ms(), polling=250)
+        _wait_kernel_idle(page, left_ms())
         timings["switch to rerotate"] = time.monotonic() - t_switch
         after_text, after = _readout(page)
+        rerotate_seen = page.evaluate("() => JSON.parse(JSON.stringify(window.__kvlab))")
         blank = page.locator(PLOT_IMGS).evaluate_all(_BLANK_IMGS)
         explorer.scroll_into_view_if_needed(timeout=left_ms())
         page.screenshot(path=ARTIFACTS / "browser-page-after.png")
         explorer.screenshot(path=ARTIFACTS / "explorer-after.png", timeout=left_ms())
+
+        # The new controls, one change each, on tiny-gemma3 (seeded, small, two layer types).
+        drawn = {}
+        ratio, policy = _control(page, "hslider", "recompute r"), _control(page, "dropdown", "policy")
+        layer_type = _control(page, "dropdown", "layer type")
+        assert ratio.is_hidden() and policy.is_hidden() and layer_type.is_hidden()  # rerotate, smollm2: one type
+        drawn["model"] = _change(
+            page, lambda: _control(page, "dropdown", "model").locator("select").select_option("tiny-gemma3"),
+            r"tiny-gemma3 / rerotate, 2 fragments", left_ms, timings, "model: tiny-gemma3")
+        assert layer_type.is_visible()
+        drawn["recompute"] = _change(
+            page, lambda: select.select_option("recompute"),
+            r"tiny-gemma3 / recompute \(r=0\.15, policy deviation\), 2 fragments", left_ms, timings, "strategy: recompute")
+        assert ratio.is_visible() and policy.is_visible()
+        drawn["policy"] = _change(
+            page, lambda: policy.locator("select").select_option("fragment_start"),
+            r"recompute \(r=0\.15, policy fragment_start\), 2 fragments", left_ms, timings, "policy: fragment_start")
+
+        def full_ratio():  # type into the slider's readout, as a user who wants an exact value
+            box = ratio.locator(".widget-readout")
+            box.click(timeout=left_ms())
+            page.keyboard.press("Control+A")
+            page.keyboard.type("1")
+            page.keyboard.press("Enter")
+
+        drawn["ratio"] = _change(page, full_ratio, r"recompute \(r=1, policy fragment_start\), 2 fragments",
+                                 left_ms, timings, "ratio: 1")
+        kl_full = _kl_column(page)
+        fragments = page.locator(f"{EXPLORER} textarea")
+        assert fragments.count() == 2
+        drawn["add"] = _change(
+            page, lambda: page.locator(f"{EXPLORER} button", has_text="add fragment").click(timeout=left_ms()),
+            r"recompute \(r=1, policy fragment_start\), 3 fragments", left_ms, timings, "add fragment")
+        assert fragments.count() == 3 and fragments.nth(2).input_value().strip()  # a preset text
+        layer = _control(page, "hslider", "layer").locator(".widget-readout")
+        assert layer.inner_text() == "0"  # tiny-gemma3's layer 0 slides; its last layer is full
+        drawn["layer type"] = _change(
+            page, lambda: layer_type.locator("select").select_option("full_attention"),
+            r"\(r=1, policy fragment_start\), 3 fragments$", left_ms, timings, "layer type: full_attention",
+            readout=r"3 fragments: .*over full_attention layers", tables=0)
+        layer_after = layer.inner_text()
+        explorer.scroll_into_view_if_needed(timeout=left_ms())
+        explorer.screenshot(path=ARTIFACTS / "explorer-controls.png", timeout=left_ms())
         report = (f"before: {before_text}\nafter:  {after_text}\nblank plots after the switch: {blank}\n"
+                  f"rerotate switch redrew: {rerotate_seen}\n"
+                  + "".join(f"{k}: {v}\n" for k, v in drawn.items())
                   + "".join(f"{k}: {v:.1f}s\n" for k, v in timings.items()))
         (ARTIFACTS / "explorer-readout.txt").write_text(report)
         print(report)
@@ -317,6 +451,19 @@ def test_merge_explorer_in_jupyterlab(browser_page, lab):  # browser first: skip
     assert after < 1e-3, after_text             # rerotate: fp32 rounding
     assert before / max(after, 1e-12) > 1e3     # orders of magnitude
     assert not any(blank), f"the explorer drew a blank (all-white) plot {blank}; see test-artifacts/explorer-after.png"
+    # One redraw for the switch, and smollm2's merge, KL and figures take long enough (well
+    # over the explorer's 0.3 s) that the progress bar showed, naming its steps in order.
+    assert rerotate_seen["src"] == {"kvlab-plot-phase": 1, "kvlab-plot-heatmap": 1}, rerotate_seen
+    assert rerotate_seen["table"] == 1, rerotate_seen
+    assert rerotate_seen["shown"] and rerotate_seen["labels"], f"no progress during the switch: {rerotate_seen}"
+    steps = [int(re.search(r"\((\d+)/", label).group(1)) for label in rerotate_seen["labels"]]
+    assert steps == sorted(steps) and rerotate_seen["labels"][-1].startswith("drawing the heatmap"), rerotate_seen
+    # Loading a model not yet loaded, prefilling and both references: the bar showed too.
+    assert drawn["model"]["shown"] and any(l.startswith("loading tiny-gemma3") or l.startswith("prefilling")
+                                            for l in drawn["model"]["labels"]), drawn["model"]
+    # Recomputing every token is a full prefill: the table's KL column is 0 to its 4 digits.
+    assert kl_full and max(kl_full) == 0.0, kl_full
+    assert layer_after == "3", f"layer type full_attention should jump to layer 3, shows {layer_after}"
     # The README's picture: the explorer's cell output on naive (controls, readout, both figures,
     # KL table). Refreshed only when asked, so a test run never dirties the work tree.
     if os.environ.get("KVLAB_UPDATE_DOCS") == "1":

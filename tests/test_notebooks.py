@@ -243,6 +243,52 @@ def test_explorer_redraws_when_widgets_change():
         MergeExplorer("tiny-llama", texts=["only one"])
 
 
+def test_explorer_shows_progress_and_draws_once_per_change():
+    import kvlab
+    from kvlab.explorer import MergeExplorer
+
+    ex = MergeExplorer("tiny-gemma3", texts=["First fragment here.", " And the second one."], probes=[" and", " the"],
+                       progress_after=0)
+    assert ex.draws == 1 and ex.busy.layout.display == "none"
+    assert ex.work["steps"][:3] == ["loading tiny-gemma3", "prefilling fragment 0", "prefilling fragment 1"]
+    seen = []  # (bar shown?, value, max, label) at every progress update
+    ex.progress.observe(lambda c: seen.append((ex.busy.layout.display, c["new"], ex.progress.max, ex.status.value)),
+                        names="value")
+
+    def change(act, steps):
+        seen.clear()
+        draws = ex.draws
+        act()
+        assert ex.draws == draws + 1, f"{ex.draws - draws} redraws for one change"
+        assert ex.busy.layout.display == "none", "the progress bar outlived its change"
+        assert ex.work["shown"] and len(ex.work["steps"]) == steps, ex.work
+        # Every step after the first moved the visible bar, in order, to the end.
+        shown = [(v, m, label) for d, v, m, label in seen if d is None]
+        assert [v for v, _, _ in shown] == list(range(1, steps)), seen
+        assert all(m == steps for _, m, _ in shown) and shown[-1][2] == f"drawing the heatmap ({steps}/{steps})"
+
+    change(lambda: setattr(ex.strategy, "value", "recompute"), 2 + 2 + 2)  # merge, errors, 2 KL, 2 figures
+    assert ex.work["steps"][0] == "merging 2 fragments: recompute (r=0.15, policy deviation)"
+    assert "recompute (r=0.15, policy deviation)</b>, 2 fragments" in ex.readout.value
+    change(lambda: setattr(ex.policy, "value", "random"), 6)
+    assert "tiny-gemma3 / recompute (r=0.15, policy random), 2 fragments</caption>" in ex.table.value
+    change(ex.add_fragment.click, 3 + 2 + 2 + 6)  # 3 prefills, 2 references, 2 probe readings
+    assert "3 fragments</caption>" in ex.table.value
+    change(lambda: setattr(ex.layer_type, "value", "sliding_attention"), 2)  # figures only
+    change(lambda: setattr(ex.model, "value", "tiny-llama"), 1 + 13)  # a model not loaded yet
+    # A quick change under the threshold keeps the bar hidden throughout (no flicker).
+    ex.progress_after = 3600
+    seen.clear()
+    ex.head.value = 1
+    assert not ex.work["shown"] and seen == [] and ex.busy.layout.display == "none"
+    # A failing merge still hides the bar.
+    ex.progress_after = 0
+    ex.strategy.value = "fail"
+    assert "refused" in ex.state and ex.busy.layout.display == "none" and ex.work["shown"]
+    with pytest.raises(kvlab.KvlabError, match="progress_after"):
+        MergeExplorer("tiny-llama", progress_after=-1)
+
+
 def test_notebooks_run_on_the_kvlab_kernel_and_refuse_without_it(monkeypatch):
     import kvlab
     from jupyter_client.kernelspec import KernelSpecManager
