@@ -7,7 +7,7 @@ from .fragments import (Fragment, clone_cache, joined_prefill, new_cache, prefil
 from .strategies import STRATEGIES, Strategy, register, strategy_names
 from .merge import landing_positions, merge
 from .case import Case
-from .fidelity import Fidelity, FidelityReference, fidelity, merge_seconds
+from .fidelity import Fidelity, FidelityReference, fidelity, merge_seconds, merge_times
 from . import recompute  # noqa: F401  (registers the "recompute" strategy)
 from .rope import layer_ropes, rotate_keys
 
@@ -17,7 +17,7 @@ __all__ = [
     "Fragment", "clone_cache", "joined_prefill", "new_cache", "prefill", "prefill_ids", "prefill_tokens",
     "set_length", "tokenize",
     "STRATEGIES", "Strategy", "register", "strategy_names",
-    "landing_positions", "merge", "layer_ropes", "rotate_keys", "Fidelity", "FidelityReference", "fidelity", "merge_seconds",
+    "landing_positions", "merge", "layer_ropes", "rotate_keys", "Fidelity", "FidelityReference", "fidelity", "merge_seconds", "merge_times",
     "Case",
 ]
 

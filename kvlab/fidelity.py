@@ -76,22 +76,19 @@ def greedy_continuation(model: LoadedModel, cache: DynamicCache, probe: str, n: 
     return read_probe(model, cache, probe, n)[1]
 
 
-def merge_seconds(model: LoadedModel, fragments: list[Fragment], strategy: str | Strategy, *, repeats: int = 5,
-                  warmup: int = 1, stat: str = "median", **options) -> float:
-    """Warm wall time of one merge: the median (or ``stat="min"``) of ``repeats`` runs after ``warmup`` untimed ones.
-
-    The median is the cost to report; the minimum is the one to compare when other work shares
-    the machine, since preemption only ever adds time (a 10 ms merge hit by one 10 ms time
-    slice doubles).
+def merge_times(model: LoadedModel, fragments: list[Fragment], strategy: str | Strategy, *, repeats: int = 5,
+                warmup: int = 1, **options) -> list[float]:
+    """Wall times in seconds of ``repeats`` merges, after ``warmup`` untimed ones.
 
     A first call pays one-time costs (allocator growth, rotation tables, lazy imports) that
     are not the strategy's; a single cold timing of a 10 ms merge can come out slower than a
-    1 s prefill. Use this, not :attr:`Fidelity.merge_s`, for cost comparisons.
+    1 s prefill. Use these, not :attr:`Fidelity.merge_s`, for cost comparisons: their median
+    is the cost to report, their minimum the one to compare when other work shares the
+    machine, since preemption only ever adds time (a 10 ms merge hit by one 10 ms time slice
+    doubles).
     """
     if repeats < 1 or warmup < 0:
-        raise MergeError(f"merge_seconds needs repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
-    if stat not in ("median", "min"):
-        raise MergeError(f"merge_seconds stat must be 'median' or 'min', got {stat!r}")
+        raise MergeError(f"merge timing needs repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
     strat = resolve(strategy, **options)
     for _ in range(warmup):
         merge(fragments, strat, model)
@@ -100,6 +97,15 @@ def merge_seconds(model: LoadedModel, fragments: list[Fragment], strategy: str |
         t0 = time.perf_counter()
         merge(fragments, strat, model)
         times.append(time.perf_counter() - t0)
+    return times
+
+
+def merge_seconds(model: LoadedModel, fragments: list[Fragment], strategy: str | Strategy, *, repeats: int = 5,
+                  warmup: int = 1, stat: str = "median", **options) -> float:
+    """Warm wall time of one merge: the median (or ``stat="min"``) of :func:`merge_times`."""
+    if stat not in ("median", "min"):
+        raise MergeError(f"merge_seconds stat must be 'median' or 'min', got {stat!r}")
+    times = merge_times(model, fragments, strategy, repeats=repeats, warmup=warmup, **options)
     return statistics.median(times) if stat == "median" else min(times)
 
 

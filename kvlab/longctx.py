@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .errors import MergeError
 from .evalset import EvalSet, generate
 from .merge import merge
 from .metrics import phase_error, phase_reference
@@ -90,29 +91,39 @@ def phase_profile(model: LoadedModel, fragments) -> list[PhaseProfile]:
 
 def run(model: LoadedModel, fragment_counts: list[int], fragment_tokens: int, *, seed: int = 0,
         people_per_passage: int = 2, max_questions: int | None = None, greedy_tokens: int = 5,
-        ratio: float = 0.15, log=None) -> tuple[list[dict], dict]:
+        ratio: float = 0.15, sets: int = 1, log=None) -> tuple[list[dict], dict]:
     """Answer generated questions behind every strategy, for each fragment count.
+
+    ``sets`` independent seeded sets (other people, facts, filler) are read per count, so a
+    count's n can grow past the ``3 * people_per_passage * n_fragments`` questions one set holds.
 
     Returns
     -------
     rows : list of dict
-        :func:`kvlab.ask` rows plus ``n_fragments``, ``fragment_tokens`` and ``total_tokens``.
+        :func:`kvlab.ask` rows plus ``n_fragments``, ``set``, ``fragment_tokens`` and ``total_tokens``.
     timings : dict
         ``n_fragments -> seconds`` of wall time for that configuration (prefill, merges, answers).
     """
     rows, timings = [], {}
+    if sets < 1:
+        raise MergeError(f"sets must be >= 1, got {sets}")
     for k in fragment_counts:
         t0 = time.perf_counter()
-        s = make_set(model, k, fragment_tokens, seed=seed + k, people_per_passage=people_per_passage,
-                     max_questions=max_questions)
-        frags, probes = passage_fragments(model, s)
-        total = sum(f.length for f in frags)
-        for r in ask(model, s, default_strategies(ratio, seed), greedy_tokens=greedy_tokens, fragments=frags, probes=probes):
-            r.update(n_fragments=k, fragment_tokens=fragment_tokens, total_tokens=total)
-            rows.append(r)
+        n_questions = 0
+        for j in range(sets):
+            # Set 0 keeps the seed the single-set runs (and notebook 07) use.
+            s = make_set(model, k, fragment_tokens, seed=seed + k + 1000 * j, people_per_passage=people_per_passage,
+                         max_questions=max_questions)
+            frags, probes = passage_fragments(model, s)
+            total = sum(f.length for f in frags)
+            for r in ask(model, s, default_strategies(ratio, seed), greedy_tokens=greedy_tokens, fragments=frags,
+                         probes=probes):
+                r.update(n_fragments=k, set=j, fragment_tokens=fragment_tokens, total_tokens=total)
+                rows.append(r)
+            n_questions += len(s.questions)
         timings[k] = time.perf_counter() - t0
         if log:
-            log(f"{model.name}: {k} fragments ({total} tokens), {len(s.questions)} questions: {timings[k]:.0f} s")
+            log(f"{model.name}: {k} fragments (~{total} tokens), {sets} set(s), {n_questions} questions: {timings[k]:.0f} s")
     return rows, timings
 
 
@@ -139,7 +150,7 @@ def summarize(rows: list[dict], by: tuple[str, ...] = ("n_fragments", "strategy"
 def paired(rows: list[dict], a: str, b: str, metric: str, *, where: dict | None = None, seed: int = 0) -> CI:
     """CI of ``metric(a) - metric(b)`` over the questions both strategies answered (paired)."""
     where = where or {}
-    pick = lambda s: {(r["n_fragments"], r["question"]): float(r[metric]) for r in rows  # noqa: E731
+    pick = lambda s: {(r["n_fragments"], r.get("set", 0), r["question"]): float(r[metric]) for r in rows  # noqa: E731
                       if r["strategy"] == s and all(r[k] == v for k, v in where.items())}
     x, y = pick(a), pick(b)
     keys = sorted(set(x) & set(y))

@@ -27,14 +27,30 @@ def passage_fragments(model: LoadedModel, evalset: EvalSet) -> tuple[list[Fragme
     probes : list of str
         One per question: the question and the template's closing, read behind a merge.
     """
+    texts, probes, bos = passage_texts(model, evalset)
+    frags = [prefill(model, t, bos=bos and i == 0) for i, t in enumerate(texts)]
+    return frags, probes
+
+
+def passage_texts(model: LoadedModel, evalset: EvalSet) -> tuple[list[str], list[str], bool]:
+    """The chat-templated prompt split at passage boundaries, without prefilling it.
+
+    Returns
+    -------
+    texts : list of str
+        One per passage; ``"".join(texts)`` is the whole context, to cache as one text.
+    probes : list of str
+        One per question (question, template closing, answer lead).
+    bos : bool
+        Whether the first text needs the tokenizer's BOS (the template does not carry it).
+    """
     parts = [prompt_parts(model.tokenizer, evalset.passages, q.text, q.lead) for q in evalset.questions]
     texts = parts[0].fragments
     if any(p.fragments != texts for p in parts):
         raise MergeError("the chat template renders the passages differently per question; they cannot be cached once")
     # Only a prompt without the template's own BOS gets one from the tokenizer.
     bos = model.tokenizer.bos_token is not None and not texts[0].startswith(model.tokenizer.bos_token)
-    frags = [prefill(model, t, bos=bos and i == 0) for i, t in enumerate(texts)]
-    return frags, [p.probe for p in parts]
+    return texts, [p.probe for p in parts], bos
 
 
 def ask(model: LoadedModel, evalset: EvalSet, strategies: dict[str, tuple[str, dict]], *, greedy_tokens: int = 12,

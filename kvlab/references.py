@@ -54,7 +54,9 @@ def read_probe(model: LoadedModel, cache: DynamicCache, probe: str, greedy_token
     log_probs, greedy = None, []
     for _ in range(max(1, greedy_tokens)):
         pos = torch.arange(at, at + ids.shape[-1], device=model.device)[None]
-        logits = model.model(input_ids=ids, position_ids=pos, cache=work, use_cache=True).logits[0, -1]
+        # Only the last position's logits are read: the vocabulary projection of every probe
+        # token would cost Gemma 3 (262k-token vocabulary) more than its layers do.
+        logits = model.model(input_ids=ids, position_ids=pos, cache=work, use_cache=True, logits_to_keep=1).logits[0, -1]
         at += ids.shape[-1]
         if log_probs is None:
             log_probs = torch.log_softmax(logits.double(), -1)

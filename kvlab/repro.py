@@ -75,7 +75,7 @@ def chat_turn(model, cache: DynamicCache, query: str, new_tokens: int = 12) -> s
     for _ in range(new_tokens):
         n = cache.get_seq_length()
         pos = torch.arange(n, n + ids.shape[-1], device=device)[None]
-        logits = model.model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True).logits
+        logits = model.model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1).logits
         nxt = int(logits[0, -1].argmax())
         out.append(nxt)
         if len(out) == new_tokens:

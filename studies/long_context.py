@@ -49,9 +49,13 @@ def write(out: Path, model, args, rows, timings, profile, started):
     for k in sorted(t for t in timings if isinstance(t, int)):
         for m in ("kl", "agree", "em"):
             diffs[f"{k} fragments: naive - rerotate {m}"] = ci_dict(longctx.paired(rows, "naive", "rerotate", m, where={"n_fragments": k}))
+    per_set = [{**{k: v for k, v in r.items() if k not in ("kl", "em", "agree")},
+                 **{m: r[m].mean for m in ("kl", "em", "agree")}}
+                for r in longctx.summarize(rows, ("n_fragments", "set", "strategy"))]
     doc = {"model": name, "command": " ".join(["studies/long_context.py"] + sys.argv[1:]), "args": vars(args),
            "wall_s_per_count": timings, "wall_s_total": time.perf_counter() - started,
-           "summary": summary, "paired_differences": diffs, "by_offset": by_offset}
+           "summary": summary, "paired_differences": diffs, "by_offset": by_offset,
+           "per_set": per_set}
     if profile is not None:
         doc["phase"] = [{"layer_type": p.layer_type, "positions": [int(p.positions[0]), int(p.positions[-1])],
                          "naive_mean_rad": float(np.nanmean(p.naive)), "rerotate_max_rad": float(np.nanmax(p.rerotate))}
@@ -125,7 +129,9 @@ def main():
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--counts", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--tokens", type=int, default=512)
-    ap.add_argument("--max-questions", type=int, default=12)
+    ap.add_argument("--max-questions", type=int, default=None, help="keep the first N questions of each set")
+    ap.add_argument("--questions-per-count", type=int, default=48,
+                    help="read enough seeded sets per fragment count for at least this many questions")
     ap.add_argument("--people", type=int, default=2)
     ap.add_argument("--greedy-tokens", type=int, default=5)
     ap.add_argument("--ratio", type=float, default=0.15)
@@ -148,7 +154,9 @@ def main():
         phase_only(out, model, args, started)
         return
     for k in args.counts:
-        r, t = longctx.run(model, [k], args.tokens, seed=args.seed, people_per_passage=args.people,
+        per_set = min(3 * args.people * k, args.max_questions or 10**9)
+        sets = max(1, -(-args.questions_per_count // per_set))
+        r, t = longctx.run(model, [k], args.tokens, seed=args.seed, people_per_passage=args.people, sets=sets,
                            max_questions=args.max_questions, greedy_tokens=args.greedy_tokens, ratio=args.ratio,
                            log=lambda m: print(m, flush=True))
         rows += r

@@ -15,7 +15,8 @@ def fmt(c, spec):
 def table(path: str) -> str:
     d = json.load(open(path))
     a = d["args"]
-    out = [f"### {d['model']}: fragments of ≤{a['tokens']} tokens, {a['max_questions']} questions per count, "
+    ns = sorted({r["n"] for r in d["summary"]})
+    out = [f"### {d['model']}: fragments of ≤{a['tokens']} tokens, n = {'/'.join(map(str, ns))} questions per count, "
            f"greedy {a['greedy_tokens']} tokens, recompute r={a['ratio']}",
            "", f"Command: `{d['command']}`; wall time {d['wall_s_total'] / 60:.1f} min "
            f"({', '.join(f'{k}: {v:.0f} s' for k, v in d['wall_s_per_count'].items())}).", "",
@@ -27,6 +28,23 @@ def table(path: str) -> str:
     out += ["", "Paired differences (same questions, resampled jointly):", ""]
     for k, c in d["paired_differences"].items():
         out.append(f"- {k}: {c['mean']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}] (n={c['n']})")
+    if d.get("per_set"):
+        out += ["", "Range over the seeded sets of each count (mean of each set):", ""]
+        for k in sorted({r["n_fragments"] for r in d["per_set"]}):
+            for strat in ("naive", "rerotate"):
+                sel = [r for r in d["per_set"] if r["n_fragments"] == k and r["strategy"] == strat]
+                if len(sel) > 1:
+                    kl = [r["kl"] for r in sel]
+                    ag = [r["agree"] for r in sel]
+                    out.append(f"- {k} fragments, {strat}, {len(sel)} sets: KL {min(kl):.3f}-{max(kl):.3f}, "
+                               f"agreement {min(ag):.2f}-{max(ag):.2f}")
+    if d.get("by_offset"):
+        k = max(r["n_fragments"] for r in d["by_offset"])
+        out += ["", f"By the landing offset of the passage holding the answer ({k} fragments):", "",
+                "| answer offset (tokens) | strategy | n | mean KL [CI] | agreement with reprefill [CI] |", "|---|---|---|---|---|"]
+        for r in sorted((r for r in d["by_offset"] if r["n_fragments"] == k), key=lambda r: (r["answer_offset"], r["strategy"])):
+            if r["strategy"] in ("naive", "rerotate"):
+                out.append(f"| {r['answer_offset']} | {r['strategy']} | {r['n']} | {fmt(r['kl'], '.3f')} | {fmt(r['agree'], '.2f')} |")
     if "phase" in d:
         out += ["", "Phase error of the largest merge (mean over kept positions, heads, pairs):", ""]
         for p in d["phase"]:
