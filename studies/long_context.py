@@ -158,7 +158,7 @@ def main():
         sets = max(1, -(-args.questions_per_count // per_set))
         r, t = longctx.run(model, [k], args.tokens, seed=args.seed, people_per_passage=args.people, sets=sets,
                            max_questions=args.max_questions, greedy_tokens=args.greedy_tokens, ratio=args.ratio,
-                           log=lambda m: print(m, flush=True))
+                           log=lambda m: (tqdm.write(m), sys.stdout.flush()))  # above the bar, not through it
         rows += r
         timings.update(t)
         bar.update(1)

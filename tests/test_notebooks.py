@@ -78,10 +78,10 @@ GEMMA_PARAMS = {
     "00_memos_defects": {"turns": 2, "answer_tokens": 4},
     "01_phase_error": {},
     "02_kv_heatmaps": {},
-    "03_fingerprint_kl": {"finetune_steps": 2, "max_questions": 6},
+    "03_fingerprint_kl": {"finetune_steps": 2, "max_questions": 3},
     "04_merge_explorer": {},
     # Three passages of 250 tokens: past the 512-token window, so the window section runs.
-    "05_fidelity_vs_cost": {"passage_tokens": 250, "max_questions": 4, "ratios": [0.15, 0.5], "greedy_tokens": 5,
+    "05_fidelity_vs_cost": {"passage_tokens": 250, "max_questions": 3, "ratios": [0.15], "greedy_tokens": 5,
                             "timing_repeats": 2},
     "06_llama_cpp": {"n_conversion_probes": 3, "probes": [" The ledger is now kept in the city of", " Maren was the keeper's"]},
     # Two passages of 300 tokens: past the 512-token window, so the sliding layers drop tokens.
