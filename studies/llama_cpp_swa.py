@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 import kvlab
 from kvlab import longctx, peers
+from kvlab.atomic import atomic_write_text
 from kvlab.errors import PeerError
 
 
@@ -71,9 +71,7 @@ def main():
     doc["wall_s_total"] = time.perf_counter() - started
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f"llama_cpp_{model.name}.json.tmp"
-    tmp.write_text(json.dumps(doc, indent=1, default=float))
-    os.replace(tmp, out / f"llama_cpp_{model.name}.json")
+    atomic_write_text(out / f"llama_cpp_{model.name}.json", json.dumps(doc, indent=1, default=float))
     print(f"\ndone in {doc['wall_s_total']:.0f} s", flush=True)
 
 

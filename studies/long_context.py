@@ -27,6 +27,7 @@ from tqdm import tqdm  # noqa: E402
 
 import kvlab  # noqa: E402
 from kvlab import longctx  # noqa: E402
+from kvlab.atomic import atomic_path, atomic_write_text  # noqa: E402
 
 
 def ci_dict(c):
@@ -35,11 +36,10 @@ def ci_dict(c):
 
 def write(out: Path, model, args, rows, timings, profile, started):
     name = model.name
-    with open(out / f"long_context_{name}.csv.tmp", "w", newline="") as fh:
+    with atomic_path(out / f"long_context_{name}.csv") as tmp, open(tmp, "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    os.replace(out / f"long_context_{name}.csv.tmp", out / f"long_context_{name}.csv")
     summary = [{**{k: v for k, v in r.items() if k not in ("kl", "em", "agree")},
                 **{m: ci_dict(r[m]) for m in ("kl", "em", "agree")}} for r in longctx.summarize(rows)]
     by_offset = [{**{k: v for k, v in r.items() if k not in ("kl", "em", "agree")},
@@ -60,9 +60,7 @@ def write(out: Path, model, args, rows, timings, profile, started):
         doc["phase"] = [{"layer_type": p.layer_type, "positions": [int(p.positions[0]), int(p.positions[-1])],
                          "naive_mean_rad": float(np.nanmean(p.naive)), "rerotate_max_rad": float(np.nanmax(p.rerotate))}
                         for p in profile]
-    tmp = out / f"long_context_{name}.json.tmp"
-    tmp.write_text(json.dumps(doc, indent=1, default=float))
-    os.replace(tmp, out / f"long_context_{name}.json")
+    atomic_write_text(out / f"long_context_{name}.json", json.dumps(doc, indent=1, default=float))
     figures(out, name, rows, profile, args)
 
 
@@ -117,9 +115,7 @@ def phase_only(out: Path, model, args, started):
                       "naive_by_fragment_rad": {str(a): float(np.nanmean(p.naive[(p.positions >= a) & (p.positions < a + f.length)]))
                                                 for a, f in zip(lands, frags) if ((p.positions >= a) & (p.positions < a + f.length)).any()}}
                      for p in profile]}
-    tmp = out / f"phase_{model.name}.json.tmp"
-    tmp.write_text(json.dumps(doc, indent=1))
-    os.replace(tmp, out / f"phase_{model.name}.json")
+    atomic_write_text(out / f"phase_{model.name}.json", json.dumps(doc, indent=1))
     figures(out, model.name, [], profile, args)
     print(f"done in {time.perf_counter() - started:.0f} s", flush=True)
 
