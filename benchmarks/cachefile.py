@@ -18,6 +18,7 @@ printed too. Like benchmarks/merge.py, the save/load part runs
 twice in child processes: with glibc's malloc defaults (every fresh 100 MB buffer pays
 page faults) and with glibc told to keep freed memory, as a serving process would.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,12 +33,12 @@ import time
 from pathlib import Path
 
 import torch
+from merge import run_each_malloc  # benchmarks/merge.py: run as a script, this folder is sys.path[0]
 from safetensors.torch import load_file, save_file
 
 import kvlab
-import kvlab.identity as fpmod
-from kvlab.fragments import new_cache
-from merge import run_each_malloc  # benchmarks/merge.py: run as a script, this folder is sys.path[0]
+import kvlab.files.identity as fpmod
+from kvlab.cache.fragments import new_cache
 
 
 def median_time(fn, repeats: int, setup=None) -> float:
@@ -52,8 +53,9 @@ def median_time(fn, repeats: int, setup=None) -> float:
 
 
 def bench_fingerprint(model: kvlab.LoadedModel, repeats: int) -> None:
-    unfoldered = kvlab.LoadedModel(model.model, model.tokenizer, model.name, model.config,
-                                   {k: v for k, v in model.source.items() if k != "folder"})
+    unfoldered = kvlab.LoadedModel(
+        model.model, model.tokenizer, model.name, model.config, {k: v for k, v in model.source.items() if k != "folder"}
+    )
 
     def forget():
         fpmod._TOKENIZER_MEMO.clear()
@@ -88,9 +90,11 @@ def bench_weights(model: kvlab.LoadedModel, repeats: int) -> None:
 
     rows = []
     for _ in range(repeats):  # interleaved, so load changes hit all three alike
-        for label, fn in (("hashlib.sha256, one buffer", lambda: hashlib.sha256(buf).hexdigest()),
-                          ("weights digest (default)", lambda: fpmod.weights_digest(model.model)),
-                          ("weights digest, one thread", one_thread)):
+        for label, fn in (
+            ("hashlib.sha256, one buffer", lambda: hashlib.sha256(buf).hexdigest()),
+            ("weights digest (default)", lambda: fpmod.weights_digest(model.model)),
+            ("weights digest, one thread", one_thread),
+        ):
             t0 = time.perf_counter()
             fn()
             rows.append((label, time.perf_counter() - t0))
@@ -159,8 +163,12 @@ def bench_files(model: kvlab.LoadedModel, tokens: int, repeats: int) -> None:
         r = lambda a, b: med[a] / med[b]  # noqa: E731
         print(f"  save_cache / raw save_file                 {r('save_cache', 'raw save_file'):6.2f}x  (target <= 2)")
         print(f"  save_cache / raw save_file + fsync         {r('save_cache', 'raw save_file + fsync'):6.2f}x")
-        print(f"  load_cache / raw load_file + build cache   {r('load_cache', 'raw load_file + build cache'):6.2f}x  (target <= 2)")
-        print(f"  load_cache / raw load_file (lazy mmap)     {r('load_cache', 'raw load_file (lazy mmap)'):6.2f}x  (reads nothing)")
+        print(
+            f"  load_cache / raw load_file + build cache   {r('load_cache', 'raw load_file + build cache'):6.2f}x  (target <= 2)"
+        )
+        print(
+            f"  load_cache / raw load_file (lazy mmap)     {r('load_cache', 'raw load_file (lazy mmap)'):6.2f}x  (reads nothing)"
+        )
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
@@ -181,9 +189,11 @@ def main() -> None:
             models.append(kvlab.load_model("gemma3-270m"))
         for m in models:
             bench_fingerprint(m, args.repeats)
-        print("cold: a tokenizer kvlab never saw (serialized and hashed; models from load_model never take this "
-              "path); folder cache: the first call in a new process, the tokenizer digest read from the model's "
-              "conversion folder (written at conversion); in memory: a repeat call.")
+        print(
+            "cold: a tokenizer kvlab never saw (serialized and hashed; models from load_model never take this "
+            "path); folder cache: the first call in a new process, the tokenizer digest read from the model's "
+            "conversion folder (written at conversion); in memory: a repeat call."
+        )
         print("\n== weights digest vs hashlib.sha256 over the same bytes in one buffer ==")
         for m in models:
             bench_weights(m, max(3, args.repeats // 2))

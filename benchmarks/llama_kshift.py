@@ -16,8 +16,10 @@ and reports K-shift = shift+decode - decode (medians). kvlab's figure is
 of every K and V) as well as rotating. llama.cpp rotates f16 keys in place, over every cell
 of the cache, so its context is sized to the merge (printed). Each side uses this process's
 torch thread count. (The file is not called ``llama_cpp.py``: a script's folder comes first
-on ``sys.path``, so that name would shadow the ``llama_cpp`` package itself.) Like ``merge.py``, the run is repeated with glibc told to keep freed memory.
+on ``sys.path``, so that name would shadow the ``llama_cpp`` package itself.) Like ``merge.py``, the
+run is repeated with glibc told to keep freed memory.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -82,8 +84,10 @@ def main() -> None:
         t_decode = run(merged, lambda: eng.decode(probe, 0, 2 * n))
         cells = eng.n_ctx
     t_kshift = t_shift_decode - t_decode
-    print(f"SmolLM2, 2 fragments x {n} random tokens, torch/llama.cpp threads {torch.get_num_threads()}, "
-          f"median of {args.repeats} (warm)")
+    print(
+        f"SmolLM2, 2 fragments x {n} random tokens, torch/llama.cpp threads {torch.get_num_threads()}, "
+        f"median of {args.repeats} (warm)"
+    )
     print(f"  kvlab naive (fp32, new cache)          {t_naive * 1e3:8.2f} ms")
     print(f"  kvlab rerotate (fp32, new cache)       {t_rot * 1e3:8.2f} ms")
     print(f"  llama.cpp shift+decode of 1 token      {t_shift_decode * 1e3:8.2f} ms  (f16 cache, {cells} cells)")

@@ -12,6 +12,7 @@ caching allocator (jemalloc, tcmalloc) sees. Both tables are printed.
 Targets (issue 2): rerotate <= 1.5x naive (a merge copies K and V once anyway), and
 rerotate >= 200x faster than reprefill at 2x1024 tokens.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,7 +49,11 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-TUNED = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(4 << 30), "MALLOC_TOP_PAD_": str(256 << 20)}
+TUNED = {
+    "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
+    "MALLOC_TRIM_THRESHOLD_": str(4 << 30),
+    "MALLOC_TOP_PAD_": str(256 << 20),
+}
 
 
 def main() -> None:
@@ -65,15 +70,22 @@ def main() -> None:
     torch.manual_seed(0)
     model = kvlab.load_model(args.model)
     vocab = model.config.vocab_size
-    print(f"model {model.name}, fp32, torch threads {torch.get_num_threads()}; median of {args.repeats} (reprefill: {args.reprefill_repeats})")
-    print(f"{'tokens/frag':>11} {'naive ms':>9} {'rerotate ms':>12} {'reprefill s':>12} {'rerot/naive':>12} {'reprefill/rerot':>16}")
+    print(
+        f"model {model.name}, fp32, torch threads {torch.get_num_threads()}; "
+        f"median of {args.repeats} (reprefill: {args.reprefill_repeats})"
+    )
+    print(
+        f"{'tokens/frag':>11} {'naive ms':>9} {'rerotate ms':>12} {'reprefill s':>12} {'rerot/naive':>12} {'reprefill/rerot':>16}"
+    )
     g = torch.Generator().manual_seed(0)
     for n in args.sizes:
         frags = [kvlab.prefill_tokens(model, torch.randint(100, vocab, (n,), generator=g)) for _ in range(2)]
-        t_naive = timed(lambda: kvlab.merge(frags, "naive", model), args.repeats)
-        t_rot = timed(lambda: kvlab.merge(frags, "rerotate", model), args.repeats)
-        t_pre = timed(lambda: kvlab.merge(frags, "reprefill", model), args.reprefill_repeats)
-        print(f"{n:>11} {t_naive * 1e3:>9.2f} {t_rot * 1e3:>12.2f} {t_pre:>12.2f} {t_rot / t_naive:>12.2f} {t_pre / t_rot:>16.0f}")
+        t_naive = timed(lambda frags=frags: kvlab.merge(frags, "naive", model), args.repeats)
+        t_rot = timed(lambda frags=frags: kvlab.merge(frags, "rerotate", model), args.repeats)
+        t_pre = timed(lambda frags=frags: kvlab.merge(frags, "reprefill", model), args.reprefill_repeats)
+        print(
+            f"{n:>11} {t_naive * 1e3:>9.2f} {t_rot * 1e3:>12.2f} {t_pre:>12.2f} {t_rot / t_naive:>12.2f} {t_pre / t_rot:>16.0f}"
+        )
 
 
 if __name__ == "__main__":

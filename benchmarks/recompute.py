@@ -15,6 +15,7 @@ attention over the merged cache; ``deviation`` adds a prefill of all ``N`` token
 layers 0..1 (2 of SmolLM2's 30) to score them. Target (issue 5): recompute at ratio 0.15
 takes at most 0.3x the time of reprefill at 2x1024 tokens.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,10 +24,10 @@ import sys
 import time
 
 import torch
+from merge import run_each_malloc  # benchmarks/merge.py: run as a script, this folder is sys.path[0]
 
 import kvlab
-from kvlab.recompute import POLICIES
-from merge import run_each_malloc  # benchmarks/merge.py: run as a script, this folder is sys.path[0]
+from kvlab.cache.recompute.strategy import POLICIES
 
 TARGET = 0.3
 
@@ -55,12 +56,22 @@ def main() -> None:
     frags = [kvlab.prefill_tokens(model, torch.randint(100, vocab, (args.tokens,), generator=g)) for _ in range(2)]
     n = sum(f.length for f in frags)
     k = kvlab.STRATEGIES["recompute"](ratio=args.ratio).budget(n)
-    print(f"model {model.name}, fp32, torch threads {torch.get_num_threads()}; 2x{args.tokens} tokens, ratio {args.ratio} "
-          f"({k} of {n} tokens); median of {args.repeats} (reprefill: {args.reprefill_repeats}), after one warm-up")
-    runs = [("reprefill", lambda: kvlab.merge(frags, "reprefill", model), args.reprefill_repeats),
-            ("rerotate", lambda: kvlab.merge(frags, "rerotate", model), args.repeats)]
-    runs += [(f"recompute {p}", (lambda p=p: kvlab.merge(frags, "recompute", model, ratio=args.ratio, policy=p)), args.repeats)
-             for p in args.policies]
+    print(
+        f"model {model.name}, fp32, torch threads {torch.get_num_threads()}; 2x{args.tokens} tokens, ratio {args.ratio} "
+        f"({k} of {n} tokens); median of {args.repeats} (reprefill: {args.reprefill_repeats}), after one warm-up"
+    )
+    runs = [
+        ("reprefill", lambda: kvlab.merge(frags, "reprefill", model), args.reprefill_repeats),
+        ("rerotate", lambda: kvlab.merge(frags, "rerotate", model), args.repeats),
+    ]
+    runs += [
+        (
+            f"recompute {p}",
+            (lambda p=p: kvlab.merge(frags, "recompute", model, ratio=args.ratio, policy=p)),
+            args.repeats,
+        )
+        for p in args.policies
+    ]
     print(f"{'':<26} {'wall s':>8} {'cpu s':>8} {'wall/reprefill':>15} {'cpu/reprefill':>14}")
     base = {}
     for label, fn, repeats in runs:

@@ -9,6 +9,7 @@ run by ``kvlab.sweep`` on a fresh LocalCluster with 1 and with 2 workers (cluste
 
 Usage: python benchmarks/sweep.py [--reps N]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,15 @@ def _notebook(folder: Path, body: str) -> Path:
 
 def _papermill(path: Path, **params) -> float:
     t0 = time.perf_counter()
-    pm.execute_notebook(str(path), str(path.with_suffix(".out.ipynb")), parameters=params, kernel_name="kvlab",
-                        progress_bar=False, log_output=False, cwd=str(path.parent))
+    pm.execute_notebook(
+        str(path),
+        str(path.with_suffix(".out.ipynb")),
+        parameters=params,
+        kernel_name="kvlab",
+        progress_bar=False,
+        log_output=False,
+        cwd=str(path.parent),
+    )
     return time.perf_counter() - t0
 
 
@@ -48,7 +56,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=2)
     args = ap.parse_args()
-    from kvlab.sweep import load_study, run_study
+    from kvlab.sweep.run import run_study
+    from kvlab.sweep.study import load_study
 
     print(f"cpus {os.cpu_count()}, load average {os.getloadavg()[0]:.1f} at start")
     with tempfile.TemporaryDirectory() as tmp:
@@ -56,19 +65,31 @@ def main() -> None:
         cases = [
             ("kernel", _notebook(tmp, "pass"), {}),
             ("kernel + import kvlab", _notebook(tmp, "import kvlab"), {}),
-            ("+ load tiny-llama", _notebook(tmp, "import kvlab\nm = kvlab.load_model(model_name)"), {"model_name": "tiny-llama"}),
-            ("+ load smollm2-135m", _notebook(tmp, "import kvlab\nm = kvlab.load_model(model_name)"), {"model_name": "smollm2-135m"}),
+            (
+                "+ load tiny-llama",
+                _notebook(tmp, "import kvlab\nm = kvlab.load_model(model_name)"),
+                {"model_name": "tiny-llama"},
+            ),
+            (
+                "+ load smollm2-135m",
+                _notebook(tmp, "import kvlab\nm = kvlab.load_model(model_name)"),
+                {"model_name": "smollm2-135m"},
+            ),
         ]
         print("per-point overhead (papermill run, s; median of reps):")
         for name, path, params in cases:
             times = [_papermill(path, **params) for _ in range(args.reps)]
             print(f"  {name:<24} {statistics.median(times):6.1f}   ({', '.join(f'{t:.1f}' for t in times)})")
         study = tmp / "grid.toml"
-        study.write_text(f'notebook = "{ROOT / "tests/fixtures/sweep_fixture.ipynb"}"\n[grid]\noffset = [4, 8, 16, 32]\n')
+        study.write_text(
+            f'notebook = "{ROOT / "tests/fixtures/sweep_fixture.ipynb"}"\n[grid]\noffset = [4, 8, 16, 32]\n'
+        )
         print("grid of 4 points (fixture notebook, tiny-llama), cluster start included:")
         for workers in (1, 2):
             t0 = time.perf_counter()
-            res = run_study(load_study(study, output=tmp / f"out{workers}"), workers=workers, force=True, progress=False)
+            res = run_study(
+                load_study(study, output=tmp / f"out{workers}"), workers=workers, force=True, progress=False
+            )
             wall = time.perf_counter() - t0
             per = statistics.median(r["wall_s"] for r in res.records)
             print(f"  {workers} worker(s): {wall:6.1f} s wall, {len(res.failed)} failed, median point {per:.1f} s")

@@ -1,64 +1,172 @@
-"""Writes that a crash or a concurrent reader never sees half done.
+"""Writes that a crash or a concurrent reader never sees half done, and that leave nothing behind.
 
-Every file kvlab writes goes under a temporary name in the target's own folder, is
-fsynced, then renamed over the target: a reader sees the old file or the new one, never
-a mix, and a writer killed at any point leaves no half-written target behind.
+Every file or folder kvlab writes is made under a temporary name beside its target,
+``.<target name>.<pid>.<random>.tmp``, fsynced, then renamed over the target: a reader sees
+the old one or the new one, never a mix. A writer killed before the rename leaves its
+temporary behind; the name carries the writer's process id, so the next write of the same
+target removes those whose process is gone (:func:`remove_stale`), and ``kvlab inspect``
+lists them (:func:`stale_temporaries`).
 """
+
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import re
 import secrets
-import tempfile
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
-__all__ = ["atomic_write_text", "atomic_path", "fsync_dir"]
+__all__ = [
+    "atomic_dir",
+    "atomic_path",
+    "atomic_write_bytes",
+    "atomic_write_text",
+    "fsync_dir",
+    "remove_stale",
+    "stale_temporaries",
+]
+
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+#: ``.<target>.<pid>.<8 hex>.tmp``: the one temporary name every kvlab write uses.
+_TEMP = re.compile(r"^\.(?P<target>.+)\.(?P<pid>\d+)\.[0-9a-f]{8}\.tmp$")
 
 
-def atomic_write_text(path: Path, text: str, *, mode: int | None = None) -> None:
-    """Write ``text`` (UTF-8) to ``path`` atomically, creating the folder if need be.
+@functools.cache
+def _umask() -> int:
+    # os.umask can only be read by setting it; done once, on first use, not at import (where it
+    # would briefly set a process-wide 0 under other threads of a kernel or Dask worker).
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
-    ``mode``: permission bits of the new file (default: ``0600``, as ``mkstemp`` makes it).
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+
+def default_mode() -> int:
+    """Permission bits of a file kvlab writes: ``0666`` less the umask, as any file the user makes."""
+    return 0o666 & ~_umask()
+
+
+def _temp_name(path: Path) -> Path:
+    return path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        if mode is not None:
-            os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+def stale_temporaries(folder: Path, target: str | None = None) -> list[Path]:
+    """Temporaries in ``folder`` left by a kvlab write whose process is gone (of ``target`` only, if given).
+
+    A temporary of a live process (a write in progress) is never listed.
+    """
+    out = []
+    try:
+        entries = list(Path(folder).iterdir())
+    except OSError:
+        return []
+    for p in entries:
+        m = _TEMP.match(p.name)
+        if m and (target is None or m["target"] == target) and not _alive(int(m["pid"])):
+            out.append(p)
+    return sorted(out)
+
+
+def remove_stale(path: Path) -> list[Path]:
+    """Remove the temporaries of earlier writes of ``path`` whose writer died; return what was removed."""
+    path = Path(path)
+    gone = []
+    for p in stale_temporaries(path.parent, path.name):
+        try:
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
+            gone.append(p)
+        except FileNotFoundError:  # another writer removed it first
+            pass
+    return gone
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | _CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager
-def atomic_path(path: Path) -> Iterator[Path]:
+def atomic_path(path: Path, *, mode: int | None = None) -> Iterator[Path]:
     """A temporary path beside ``path`` for a writer that only takes a file name.
 
-    The body writes the whole file to the yielded path; on leaving, it is fsynced and
-    renamed over ``path`` and the folder is fsynced. If the body or any of these steps
-    fails, the temporary file is removed and ``path`` is left as it was. The temporary
-    name is created exclusively (``O_EXCL``), so two writers never share it.
+    The body writes the whole file to the yielded path; on leaving, it is fsynced, given
+    ``mode`` (default :func:`default_mode`), renamed over ``path``, and the folder is fsynced.
+    If the body or any of these steps fails, the temporary is removed and ``path`` is left as
+    it was. The temporary name is created exclusively (``O_EXCL``), so two writers never share it.
     """
-    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
-    os.close(fd)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale(path)
+    tmp = _temp_name(path)
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _CLOEXEC, 0o600))
     try:
         yield tmp
-        fd = os.open(tmp, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync(tmp)
+        os.chmod(tmp, default_mode() if mode is None else mode)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    fsync_dir(path.parent)
+
+
+def atomic_write_bytes(path: Path, data: bytes, *, mode: int | None = None) -> Path:
+    """Write ``data`` to ``path`` atomically (:func:`atomic_path`), creating the folder if need be."""
+    with atomic_path(Path(path), mode=mode) as tmp:
+        tmp.write_bytes(data)
+    return Path(path)
+
+
+def atomic_write_text(path: Path, text: str, *, mode: int | None = None) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` atomically (:func:`atomic_path`), creating the folder if need be."""
+    return atomic_write_bytes(path, text.encode("utf-8"), mode=mode)
+
+
+@contextlib.contextmanager
+def atomic_dir(path: Path) -> Iterator[Path]:
+    """A temporary folder beside ``path``; on leaving, its files are fsynced and it is renamed to ``path``.
+
+    For a result made of several files (a model conversion). If ``path`` appears meanwhile
+    (another process finished the same work first), the temporary is dropped and the existing
+    folder kept: both hold the same result. On failure the temporary is removed.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale(path)
+    tmp = _temp_name(path)
+    tmp.mkdir()
+    try:
+        yield tmp
+        for p in tmp.rglob("*"):
+            if p.is_file():
+                _fsync(p)
+        try:
+            os.rename(tmp, path)
+        except OSError:
+            if not path.is_dir():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     fsync_dir(path.parent)
 
 

@@ -1,4 +1,5 @@
 """The ``kvlab`` command line."""
+
 from __future__ import annotations
 
 import argparse
@@ -9,10 +10,10 @@ import torch
 
 
 def _models(args) -> int:
-    from .catalog import model_rows
+    from kvlab.models.catalog import model_rows
 
     if args.prepare is not None:
-        from .models import prepare
+        from kvlab.models.gguf import prepare
 
         for name, folder in prepare(args.prepare or None).items():
             print(f"{name}: ready in {folder}")
@@ -22,13 +23,16 @@ def _models(args) -> int:
     print(head)
     print("-" * len(head))
     for r in rows:
-        print(f"{r['name']:<14} {r['family']:<10} {r['layers']:>6} {r['kv_heads']:>8} {r['head_dim']:>8}  {r['rope']:<40} {r['cached']:<8}")
+        print(
+            f"{r['name']:<14} {r['family']:<10} {r['layers']:>6} {r['kv_heads']:>8} {r['head_dim']:>8}  "
+            f"{r['rope']:<40} {r['cached']:<8}"
+        )
     return 0
 
 
 def _check(args) -> int:
-    from .check import check_rows, format_rows
-    from .sources import load_model
+    from kvlab.measure.check import check_rows, format_rows
+    from kvlab.models.sources import load_model
 
     torch.manual_seed(0)
     model = load_model(args.model)
@@ -36,15 +40,17 @@ def _check(args) -> int:
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
-        print(f"kvlab check on {model.name}: two fragments; K/V against the phase reference (each fragment "
-              "prefilled alone at its landing positions); KL (nats) against the joined prefill")
+        print(
+            f"kvlab check on {model.name}: two fragments; K/V against the phase reference (each fragment "
+            "prefilled alone at its landing positions); KL (nats) against the joined prefill"
+        )
         print(format_rows(rows))
     return 0
 
 
 def _mismatch(args) -> int:
-    from .mismatch import format_study, mismatch_study
-    from .sources import load_model
+    from kvlab.measure.mismatch import format_study, mismatch_study
+    from kvlab.models.sources import load_model
 
     results = mismatch_study(load_model(args.model), steps=args.steps)
     print(format_study(results))
@@ -58,9 +64,10 @@ def _mismatch(args) -> int:
 def _inspect(args) -> int:
     from pathlib import Path
 
-    from .cachefile import load_cache, read_header, verify_file
-    from .identity import show
-    from .sources import load_model
+    from kvlab.files.format import read_header, verify_file
+    from kvlab.files.identity import show
+    from kvlab.files.io import load_cache
+    from kvlab.models.sources import load_model
 
     path = Path(args.file)
     # With a model, load_cache checks the tensor digests itself: read the file once.
@@ -68,22 +75,30 @@ def _inspect(args) -> int:
     n = path.stat().st_size
     size = f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
     if h is None:
-        print(f"{path} ({size}): a safetensors file with no kvlab header: no producer fingerprint, no "
-              "digests. load_cache refuses it unless allow_unverified=True.")
+        print(
+            f"{path} ({size}): a safetensors file with no kvlab header: no producer fingerprint, no "
+            "digests. load_cache refuses it unless allow_unverified=True."
+        )
         return 1
     p = h["producer"] or {}
     layers = h["layers"]
     text = h["text"]
     print(f"{path} ({size}): kvlab cache, format {h['format_version']}")
     if p:
-        print(f"  made by    {h['model_name']}: {p.get('source')}, {p.get('architecture')}, {p.get('dtype')}, "
-              f"quantization {p.get('quantization')}")
+        print(
+            f"  made by    {h['model_name']}: {p.get('source')}, {p.get('architecture')}, {p.get('dtype')}, "
+            f"quantization {p.get('quantization')}"
+        )
         print(f"  weights    {p.get('weights_sha256')}")
     else:
         print(f"  made by    {h['model_name']} (no producer fingerprint: load_cache needs allow_unverified=True)")
-    print(f"  tokens     {h['length']} at positions {h['start']}..{h['start'] + h['length'] - 1}"
-          + ("" if h["token_ids"] is not None else " (token ids not stored)"))
-    print(f"  layers     {len(layers)}: {show([L['type'] for L in layers])}; layer 0 keys {layers[0]['keys']}, {h['dtype']}")
+    print(
+        f"  tokens     {h['length']} at positions {h['start']}..{h['start'] + h['length'] - 1}"
+        + ("" if h["token_ids"] is not None else " (token ids not stored)")
+    )
+    print(
+        f"  layers     {len(layers)}: {show([L['type'] for L in layers])}; layer 0 keys {layers[0]['keys']}, {h['dtype']}"
+    )
     if text is not None:
         print(f"  text       {text[:70]!r}{' ...' if len(text) > 70 else ''}")
     if args.model:
@@ -96,8 +111,8 @@ def _inspect(args) -> int:
 
 
 def _peers(args) -> int:
-    from .models import load_model
-    from .peers import peer_table
+    from kvlab.models.sources import load_model
+    from kvlab.peers.compare import peer_table
 
     torch.manual_seed(0)
     print(peer_table(load_model(args.model)))
@@ -107,11 +122,17 @@ def _peers(args) -> int:
 def _report(args) -> int:
     from pathlib import Path
 
-    from .report import run_report
+    from kvlab.lab.report import run_report
 
     params = {name: value for name, value in (args.param or [])}
-    report = run_report(Path(args.out), only=args.only, params=params, model=args.model, progress=not args.no_progress,
-                        no_input=args.no_input)
+    report = run_report(
+        Path(args.out),
+        only=args.only,
+        params=params,
+        model=args.model,
+        progress=not args.no_progress,
+        no_input=args.no_input,
+    )
     print(f"report: {report.index}")
     for r in report.failed:
         print(f"kvlab report: {r.name} failed: {r.error}", file=sys.stderr)
@@ -119,23 +140,27 @@ def _report(args) -> int:
 
 
 def _sweep(args) -> int:
-    from .sweep import load_study, run_study
-    from .sweep.run import plan
+    from kvlab.sweep.run import plan, run_study
+    from kvlab.sweep.study import load_study
 
     study = load_study(args.study, output=args.out, timeout=args.timeout)
     if args.dry_run:
         todo, done = plan(study, study.output, args.force)
         runs = {t["point"] for t in todo}
-        print(f"{study.path.name}: {study.notebook.name}, {len(study.points)} points ({len(todo)} to run, "
-              f"{len(done)} done), output {study.output}")
+        print(
+            f"{study.path.name}: {study.notebook.name}, {len(study.points)} points ({len(todo)} to run, "
+            f"{len(done)} done), output {study.output}"
+        )
         for p in study.points:
             shown = ", ".join(f"{k}={json.dumps(v)[:40]}" for k, v in p.varied.items())
             print(f"  {'run ' if p.folder_name in runs else 'done'}  {p.folder_name:<40} {shown}")
         return 0
     result = run_study(study, scheduler=args.scheduler, workers=args.workers, force=args.force)
     failed = result.failed
-    print(f"sweep {study.path.name}: {len(result.records)} points, {result.ran} run, {result.skipped} already done, "
-          f"{len(failed)} failed; table {result.out / 'results.csv'}, summary {result.out / 'index.html'}")
+    print(
+        f"sweep {study.path.name}: {len(result.records)} points, {result.ran} run, {result.skipped} already done, "
+        f"{len(failed)} failed; table {result.out / 'results.csv'}, summary {result.out / 'index.html'}"
+    )
     for r in failed:
         print(f"  failed {r['point']}: {r['error']}", file=sys.stderr)
     return 1 if failed else 0
@@ -145,13 +170,17 @@ MODEL_HELP = "a kvlab model name (kvlab models), a Hugging Face model folder or 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .models import DEFAULT_MODEL
+    from kvlab.models.loaded import DEFAULT_MODEL
 
     parser = argparse.ArgumentParser(prog="kvlab", description="Is a merged or reloaded KV cache still right?")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("models", help="list the models kvlab can load, or prepare (convert) them ahead of time")
-    p.add_argument("--prepare", nargs="*", metavar="NAME",
-                   help="convert these real models now (default: every installed one), with a progress bar on a terminal")
+    p.add_argument(
+        "--prepare",
+        nargs="*",
+        metavar="NAME",
+        help="convert these real models now (default: every installed one), with a progress bar on a terminal",
+    )
     p.set_defaults(func=_models)
     p = sub.add_parser("check", help="every merge strategy against both references, as a table")
     p.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
@@ -159,9 +188,11 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_check)
     p = sub.add_parser("inspect", help="who made a cache file, and is it intact (optionally: does it fit a model)")
     p.add_argument("file")
-    p.add_argument("--model", default=None, help="also load it into this model, refusing any fingerprint mismatch; " + MODEL_HELP)
+    p.add_argument(
+        "--model", default=None, help="also load it into this model, refusing any fingerprint mismatch; " + MODEL_HELP
+    )
     p.set_defaults(func=_inspect)
-    from .mismatch import FINETUNE_DEFAULTS
+    from kvlab.measure.mismatch import FINETUNE_DEFAULTS
 
     p = sub.add_parser("mismatch", help="KL and top-1 flips when each same-shape variant reads the model's cache")
     p.add_argument("--model", default=DEFAULT_MODEL)
@@ -172,7 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.set_defaults(func=_peers)
     p = sub.add_parser("report", help="execute the notebooks with papermill into an HTML report")
-    p.add_argument("--model", default=None, help="model for every notebook (default: each notebook's own); " + MODEL_HELP)
+    p.add_argument(
+        "--model", default=None, help="model for every notebook (default: each notebook's own); " + MODEL_HELP
+    )
     p.add_argument("--out", default="reports")
     p.add_argument("--only", nargs="+", metavar="NB", help="notebook names, e.g. 01_phase_error")
     p.add_argument("-p", "--param", nargs=2, action="append", metavar=("NAME", "VALUE"), help="a notebook parameter")
@@ -181,8 +214,12 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_report)
     p = sub.add_parser("sweep", help="run a notebook over a parameter grid (a STUDY.toml) on Dask")
     p.add_argument("study", help="study file (TOML): notebook, [grid], [zip], seeds, repeats, output, timeout")
-    p.add_argument("--scheduler", default=None, metavar="ADDR",
-                   help="an existing Dask scheduler (tcp://host:port or a scheduler JSON file); default: a local cluster")
+    p.add_argument(
+        "--scheduler",
+        default=None,
+        metavar="ADDR",
+        help="an existing Dask scheduler (tcp://host:port or a scheduler JSON file); default: a local cluster",
+    )
     p.add_argument("--workers", type=int, default=None, help="local worker processes (default: from cores and memory)")
     p.add_argument("--force", action="store_true", help="rerun points that already have a current record")
     p.add_argument("--timeout", type=float, default=None, metavar="S", help="seconds per point (overrides the study's)")
@@ -190,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, metavar="DIR", help="output folder (overrides the study's)")
     p.set_defaults(func=_sweep)
     args = parser.parse_args(argv)
-    from .errors import KvlabError
+    from kvlab.errors import KvlabError
 
     try:
         return args.func(args)

@@ -54,3 +54,27 @@ class PeerError(KvlabError):
 
 class KernelMissing(KvlabError):
     """The ``kvlab`` Jupyter kernelspec is not installed in this environment (``make setup`` installs it)."""
+
+
+class RecordError(KvlabError):
+    """A finding cannot be recorded (value not a number, bad interval) or a notebook's records cannot be read."""
+
+
+class ReportError(KvlabError):
+    """A report was asked for something that does not exist."""
+
+
+class StatsError(KvlabError):
+    """A statistic cannot be computed from what was given (empty, NaN, mismatched lengths)."""
+
+
+class StudyError(KvlabError):
+    """A study file is unreadable or asks for something its notebook does not take; nothing was run."""
+
+
+class EvalSetError(KvlabError):
+    """An evaluation set cannot be built or read as asked (sizes, missing template, bad passages)."""
+
+
+class CacheFileWarning(UserWarning):
+    """A cache file was loaded without full verification (``strict=False`` or ``allow_unverified=True``)."""

@@ -5,13 +5,14 @@ outputs, key order and indentation stay byte-for-byte as they were. Run from any
 
     .venv/bin/python scripts/set-kernelspec.py
 """
+
 from __future__ import annotations
 
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
+
+from kvlab.atomic import atomic_write_text
 
 ROOT = Path(__file__).resolve().parents[1]
 # In the key order nbformat writes (sorted), so the diff is the three values only.
@@ -27,11 +28,7 @@ def set_kernelspec(path: Path) -> bool:
     nb.setdefault("metadata", {})["kernelspec"] = KERNELSPEC
     # Jupyter writes notebooks with indent=1, ensure_ascii=False and a final newline.
     new = json.dumps(nb, indent=1, ensure_ascii=False) + "\n"
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(new)
-    os.chmod(tmp, path.stat().st_mode & 0o777)  # mkstemp makes 0600; keep the notebook's own mode
-    os.replace(tmp, path)
+    atomic_write_text(path, new, mode=path.stat().st_mode & 0o777)  # keep the notebook's own mode
     return True
 
 

@@ -12,6 +12,7 @@ Each is compared, probe by probe, with llama.cpp's own joined prefill; kvlab's r
 recompute are compared with kvlab's joined prefill. Writes ``results/llama_cpp_<model>.json``
 and prints the tables.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,9 +22,10 @@ import time
 from pathlib import Path
 
 import kvlab
-from kvlab import longctx, peers
+from kvlab import peers
 from kvlab.atomic import atomic_write_text
 from kvlab.errors import PeerError
+from kvlab.findings import longctx
 
 
 def main():
@@ -38,14 +40,25 @@ def main():
     model = kvlab.load_model(args.model)
     doc = {"model": model.name, "command": " ".join(["studies/llama_cpp_swa.py"] + sys.argv[1:])}
 
-    conv = peers.conversion_fidelity(model, peers.CONVERSION_PROBES[:args.conversion_probes])
-    doc["conversion"] = {"n": conv.n, "kl_mean": conv.kl_mean, "kl_ci": conv.kl_ci, "kl_max": conv.kl_max,
-                         "top1": conv.top1, "kl_f32_mean": conv.kl_f32_mean, "kl_f32_ci": conv.kl_f32_ci,
-                         "same_ids": conv.same_ids, "gguf": conv.gguf, "desc": conv.desc}
-    print(f"conversion ({conv.gguf}, n={conv.n}): KL(llama.cpp || kvlab) {conv.kl_mean:.4f} "
-          f"[{conv.kl_ci[0]:.4f}, {conv.kl_ci[1]:.4f}], max {conv.kl_max:.4f}, top-1 {conv.top1:.2f}; "
-          f"F32 copy {conv.kl_f32_mean:.2e} [{conv.kl_f32_ci[0]:.2e}, {conv.kl_f32_ci[1]:.2e}]; same ids {conv.same_ids:.2f}",
-          flush=True)
+    conv = peers.conversion_fidelity(model, peers.CONVERSION_PROBES[: args.conversion_probes])
+    doc["conversion"] = {
+        "n": conv.n,
+        "kl_mean": conv.kl_mean,
+        "kl_ci": conv.kl_ci,
+        "kl_max": conv.kl_max,
+        "top1": conv.top1,
+        "kl_f32_mean": conv.kl_f32_mean,
+        "kl_f32_ci": conv.kl_f32_ci,
+        "same_ids": conv.same_ids,
+        "gguf": conv.gguf,
+        "desc": conv.desc,
+    }
+    print(
+        f"conversion ({conv.gguf}, n={conv.n}): KL(llama.cpp || kvlab) {conv.kl_mean:.4f} "
+        f"[{conv.kl_ci[0]:.4f}, {conv.kl_ci[1]:.4f}], max {conv.kl_max:.4f}, top-1 {conv.top1:.2f}; "
+        f"F32 copy {conv.kl_f32_mean:.2e} [{conv.kl_f32_ci[0]:.2e}, {conv.kl_f32_ci[1]:.2e}]; same ids {conv.same_ids:.2f}",
+        flush=True,
+    )
 
     # Two generated passages, each cached alone; the questions are the probes. The passages are
     # plain text here (no chat template) so both engines read exactly the same ids.
@@ -60,10 +73,11 @@ def main():
         label = f"swa_full={swa_full}"
         t0 = time.perf_counter()
         try:
-            rows = peers.merge_side_by_side(model, texts, probes, kvlab_rows=swa_full,
-                                            swa_full=swa_full)
-            doc["merge"]["layouts"][label] = {"rows": [r.row() | {"kls": r.kls} for r in rows],
-                                              "wall_s": time.perf_counter() - t0}
+            rows = peers.merge_side_by_side(model, texts, probes, kvlab_rows=swa_full, swa_full=swa_full)
+            doc["merge"]["layouts"][label] = {
+                "rows": [r.row() | {"kls": r.kls} for r in rows],
+                "wall_s": time.perf_counter() - t0,
+            }
             print(f"\n{label}\n" + peers.format_rows(rows), flush=True)
         except PeerError as e:
             doc["merge"]["layouts"][label] = {"refused": str(e)}

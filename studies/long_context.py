@@ -10,6 +10,7 @@ strategy), long_context_<model>.json (CIs, paired differences, wall times, the c
 figures. Each fragment count is written as soon as it is done, so a stopped run keeps what
 it finished. On a terminal a progress bar counts the fragment counts done.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,8 @@ import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import kvlab  # noqa: E402
-from kvlab import longctx  # noqa: E402
 from kvlab.atomic import atomic_path, atomic_write_text  # noqa: E402
+from kvlab.findings import longctx  # noqa: E402
 
 
 def ci_dict(c):
@@ -40,32 +41,61 @@ def write(out: Path, model, args, rows, timings, profile, started):
         w = csv.DictWriter(fh, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    summary = [{**{k: v for k, v in r.items() if k not in ("kl", "em", "agree")},
-                **{m: ci_dict(r[m]) for m in ("kl", "em", "agree")}} for r in longctx.summarize(rows)]
-    by_offset = [{**{k: v for k, v in r.items() if k not in ("kl", "em", "agree")},
-                  **{m: ci_dict(r[m]) for m in ("kl", "em", "agree")}}
-                 for r in longctx.summarize(rows, ("n_fragments", "strategy", "answer_offset"))]
+    summary = [
+        {
+            **{k: v for k, v in r.items() if k not in ("kl", "em", "agree")},
+            **{m: ci_dict(r[m]) for m in ("kl", "em", "agree")},
+        }
+        for r in longctx.summarize(rows)
+    ]
+    by_offset = [
+        {
+            **{k: v for k, v in r.items() if k not in ("kl", "em", "agree")},
+            **{m: ci_dict(r[m]) for m in ("kl", "em", "agree")},
+        }
+        for r in longctx.summarize(rows, ("n_fragments", "strategy", "answer_offset"))
+    ]
     diffs = {}
     for k in sorted(t for t in timings if isinstance(t, int)):
         for m in ("kl", "agree", "em"):
-            diffs[f"{k} fragments: naive - rerotate {m}"] = ci_dict(longctx.paired(rows, "naive", "rerotate", m, where={"n_fragments": k}))
-    per_set = [{**{k: v for k, v in r.items() if k not in ("kl", "em", "agree")},
-                 **{m: r[m].mean for m in ("kl", "em", "agree")}}
-                for r in longctx.summarize(rows, ("n_fragments", "set", "strategy"))]
-    doc = {"model": name, "command": " ".join(["studies/long_context.py"] + sys.argv[1:]), "args": vars(args),
-           "wall_s_per_count": timings, "wall_s_total": time.perf_counter() - started,
-           "summary": summary, "paired_differences": diffs, "by_offset": by_offset,
-           "per_set": per_set}
+            diffs[f"{k} fragments: naive - rerotate {m}"] = ci_dict(
+                longctx.paired(rows, "naive", "rerotate", m, where={"n_fragments": k})
+            )
+    per_set = [
+        {
+            **{k: v for k, v in r.items() if k not in ("kl", "em", "agree")},
+            **{m: r[m].mean for m in ("kl", "em", "agree")},
+        }
+        for r in longctx.summarize(rows, ("n_fragments", "set", "strategy"))
+    ]
+    doc = {
+        "model": name,
+        "command": " ".join(["studies/long_context.py"] + sys.argv[1:]),
+        "args": vars(args),
+        "wall_s_per_count": timings,
+        "wall_s_total": time.perf_counter() - started,
+        "summary": summary,
+        "paired_differences": diffs,
+        "by_offset": by_offset,
+        "per_set": per_set,
+    }
     if profile is not None:
-        doc["phase"] = [{"layer_type": p.layer_type, "positions": [int(p.positions[0]), int(p.positions[-1])],
-                         "naive_mean_rad": float(np.nanmean(p.naive)), "rerotate_max_rad": float(np.nanmax(p.rerotate))}
-                        for p in profile]
+        doc["phase"] = [
+            {
+                "layer_type": p.layer_type,
+                "positions": [int(p.positions[0]), int(p.positions[-1])],
+                "naive_mean_rad": float(np.nanmean(p.naive)),
+                "rerotate_max_rad": float(np.nanmax(p.rerotate)),
+            }
+            for p in profile
+        ]
     atomic_write_text(out / f"long_context_{name}.json", json.dumps(doc, indent=1, default=float))
     figures(out, name, rows, profile, args)
 
 
 def figures(out, name, rows, profile, args):
     import matplotlib.pyplot as plt
+
     if not rows:
         return phase_figure(out, name, profile, args, plt)
     summ = longctx.summarize(rows)
@@ -78,9 +108,13 @@ def figures(out, name, rows, profile, args):
             y = [p[1].mean for p in pts]
             err = [[p[1].mean - p[1].lo for p in pts], [p[1].hi - p[1].mean for p in pts]]
             axes[j].errorbar(x, y, yerr=err, fmt="o-", capsize=3, label=s)
-        axes[j].set(xlabel=f"fragments of {args.tokens} tokens", xticks=sorted({r['n_fragments'] for r in rows}))
+        axes[j].set(xlabel=f"fragments of {args.tokens} tokens", xticks=sorted({r["n_fragments"] for r in rows}))
     axes[0].set(ylabel="next-token KL vs joined prefill (nats)", title=f"{name}: KL, 95% bootstrap CI")
-    axes[1].set(ylabel="answer agreement with reprefill (fraction)", title=f"{name}: agreement with reprefill", ylim=(-0.05, 1.05))
+    axes[1].set(
+        ylabel="answer agreement with reprefill (fraction)",
+        title=f"{name}: agreement with reprefill",
+        ylim=(-0.05, 1.05),
+    )
     axes[2].set(ylabel="exact match with the truth (fraction)", title=f"{name}: exact match", ylim=(-0.05, 1.05))
     axes[0].legend()
     fig.savefig(out / f"long_context_{name}.png", dpi=90)
@@ -95,8 +129,11 @@ def phase_figure(out, name, profile, args, plt):
         for p in profile:
             ax.plot(p.positions, p.naive, lw=0.8, label=f"naive, {p.layer_type}")
             ax.plot(p.positions, p.rerotate, lw=0.8, label=f"rerotate, {p.layer_type}")
-        ax.set(xlabel="position in the merged cache (tokens)", ylabel="mean phase error (rad)",
-               title=f"{name}: phase error vs position, {args.counts[-1]} fragments of {args.tokens} tokens")
+        ax.set(
+            xlabel="position in the merged cache (tokens)",
+            ylabel="mean phase error (rad)",
+            title=f"{name}: phase error vs position, {args.counts[-1]} fragments of {args.tokens} tokens",
+        )
         ax.legend(fontsize=8)
         fig.savefig(out / f"phase_by_position_{name}.png", dpi=90)
         plt.close(fig)
@@ -104,17 +141,33 @@ def phase_figure(out, name, profile, args, plt):
 
 def phase_only(out: Path, model, args, started):
     """Phase error by position of the largest count's merge; no questions are read."""
-    s = longctx.make_set(model, args.counts[-1], args.tokens, seed=args.seed + args.counts[-1], people_per_passage=args.people)
-    frags, _ = kvlab.qa.passage_fragments(model, s)
+    s = longctx.make_set(
+        model, args.counts[-1], args.tokens, seed=args.seed + args.counts[-1], people_per_passage=args.people
+    )
+    frags, _ = kvlab.findings.qa.passage_fragments(model, s)
     profile = longctx.phase_profile(model, frags)
     lands = kvlab.landing_positions(frags)
-    doc = {"model": model.name, "command": " ".join(["studies/long_context.py"] + sys.argv[1:]),
-           "fragment_lengths": [f.length for f in frags], "landing": lands, "wall_s_total": time.perf_counter() - started,
-           "phase": [{"layer_type": p.layer_type, "positions": [int(p.positions[0]), int(p.positions[-1])],
-                      "naive_mean_rad": float(np.nanmean(p.naive)), "rerotate_max_rad": float(np.nanmax(p.rerotate)),
-                      "naive_by_fragment_rad": {str(a): float(np.nanmean(p.naive[(p.positions >= a) & (p.positions < a + f.length)]))
-                                                for a, f in zip(lands, frags) if ((p.positions >= a) & (p.positions < a + f.length)).any()}}
-                     for p in profile]}
+    doc = {
+        "model": model.name,
+        "command": " ".join(["studies/long_context.py"] + sys.argv[1:]),
+        "fragment_lengths": [f.length for f in frags],
+        "landing": lands,
+        "wall_s_total": time.perf_counter() - started,
+        "phase": [
+            {
+                "layer_type": p.layer_type,
+                "positions": [int(p.positions[0]), int(p.positions[-1])],
+                "naive_mean_rad": float(np.nanmean(p.naive)),
+                "rerotate_max_rad": float(np.nanmax(p.rerotate)),
+                "naive_by_fragment_rad": {
+                    str(a): float(np.nanmean(p.naive[(p.positions >= a) & (p.positions < a + f.length)]))
+                    for a, f in zip(lands, frags)
+                    if ((p.positions >= a) & (p.positions < a + f.length)).any()
+                },
+            }
+            for p in profile
+        ],
+    }
     atomic_write_text(out / f"phase_{model.name}.json", json.dumps(doc, indent=1))
     figures(out, model.name, [], profile, args)
     print(f"done in {time.perf_counter() - started:.0f} s", flush=True)
@@ -126,15 +179,22 @@ def main():
     ap.add_argument("--counts", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--max-questions", type=int, default=None, help="keep the first N questions of each set")
-    ap.add_argument("--questions-per-count", type=int, default=48,
-                    help="read enough seeded sets per fragment count for at least this many questions")
+    ap.add_argument(
+        "--questions-per-count",
+        type=int,
+        default=48,
+        help="read enough seeded sets per fragment count for at least this many questions",
+    )
     ap.add_argument("--people", type=int, default=2)
     ap.add_argument("--greedy-tokens", type=int, default=5)
     ap.add_argument("--ratio", type=float, default=0.15)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-phase", action="store_true", help="skip the phase profile of the largest count")
-    ap.add_argument("--phase-only", action="store_true",
-                    help="only the phase profile of the largest count (no questions), to phase_<model>.json")
+    ap.add_argument(
+        "--phase-only",
+        action="store_true",
+        help="only the phase profile of the largest count (no questions), to phase_<model>.json",
+    )
     ap.add_argument("--out", default="results")
     args = ap.parse_args()
     out = Path(args.out)
@@ -143,8 +203,12 @@ def main():
     model = kvlab.load_model(args.model)
     # Each count reads every strategy over its questions (minutes): a bar on a terminal, none
     # when stderr is a file or pipe (a background run's log), as kvlab's own bars do.
-    bar = tqdm(total=len(args.counts), desc=f"{model.name} fragment counts", unit="count",
-               disable=args.phase_only or not sys.stderr.isatty())
+    bar = tqdm(
+        total=len(args.counts),
+        desc=f"{model.name} fragment counts",
+        unit="count",
+        disable=args.phase_only or not sys.stderr.isatty(),
+    )
     rows, timings, profile = [], {}, None
     if args.phase_only:
         phase_only(out, model, args, started)
@@ -152,9 +216,18 @@ def main():
     for k in args.counts:
         per_set = min(3 * args.people * k, args.max_questions or 10**9)
         sets = max(1, -(-args.questions_per_count // per_set))
-        r, t = longctx.run(model, [k], args.tokens, seed=args.seed, people_per_passage=args.people, sets=sets,
-                           max_questions=args.max_questions, greedy_tokens=args.greedy_tokens, ratio=args.ratio,
-                           log=lambda m: (tqdm.write(m), sys.stdout.flush()))  # above the bar, not through it
+        r, t = longctx.run(
+            model,
+            [k],
+            args.tokens,
+            seed=args.seed,
+            people_per_passage=args.people,
+            sets=sets,
+            max_questions=args.max_questions,
+            greedy_tokens=args.greedy_tokens,
+            ratio=args.ratio,
+            log=lambda m: (tqdm.write(m), sys.stdout.flush()),
+        )  # above the bar, not through it
         rows += r
         timings.update(t)
         bar.update(1)
@@ -162,8 +235,10 @@ def main():
     bar.close()
     if not args.no_phase:
         t0 = time.perf_counter()
-        s = longctx.make_set(model, args.counts[-1], args.tokens, seed=args.seed + args.counts[-1], people_per_passage=args.people)
-        frags, _ = kvlab.qa.passage_fragments(model, s)
+        s = longctx.make_set(
+            model, args.counts[-1], args.tokens, seed=args.seed + args.counts[-1], people_per_passage=args.people
+        )
+        frags, _ = kvlab.findings.qa.passage_fragments(model, s)
         profile = longctx.phase_profile(model, frags)
         timings["phase_profile"] = time.perf_counter() - t0
         write(out, model, args, rows, timings, profile, started)

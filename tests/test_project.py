@@ -1,4 +1,5 @@
 """The project's own promises: matching dependency lists, no pickle, a README that starts right."""
+
 from __future__ import annotations
 
 import subprocess
@@ -36,15 +37,23 @@ def test_public_api_is_exported():
 
 
 def test_cli_models_and_bad_model():
-    out = subprocess.run([sys.executable, "-m", "kvlab.cli", "models"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "kvlab.cli", "models"], capture_output=True, text=True, check=True
+    ).stdout
     assert "tiny-gemma3" in out and "smollm2-135m" in out
-    bad = subprocess.run([sys.executable, "-m", "kvlab.cli", "check", "--model", "nope"], capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "-m", "kvlab.cli", "check", "--model", "nope"], capture_output=True, text=True
+    )
     assert bad.returncode == 2 and "unknown model 'nope'" in bad.stderr
 
 
 def test_cli_mismatch_table_on_a_tiny_model():
-    run = subprocess.run([sys.executable, "-m", "kvlab.cli", "mismatch", "--model", "tiny-llama", "--steps", "2"],
-                         capture_output=True, text=True, check=True)
+    run = subprocess.run(
+        [sys.executable, "-m", "kvlab.cli", "mismatch", "--model", "tiny-llama", "--steps", "2"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     kinds = {"self", "bf16", "fp16", "int8", "finetune"}
     rows = {w[0]: w for w in map(str.split, run.stdout.splitlines()) if w and w[0] in kinds}
     assert set(rows) == kinds
@@ -66,7 +75,10 @@ def test_cli_inspect_reports_producer_integrity_and_fit(tmp_path):
     assert "all 8 match their xxh3-128 digests" in ok.stdout and "loads into tiny-gemma3: yes" in ok.stdout
     foreign = subprocess.run(cli + ["--model", "tiny-llama"], capture_output=True, text=True)
     assert foreign.returncode == 2
-    assert "FingerprintMismatch" in foreign.stderr and "architecture: file Gemma3ForCausalLM, model LlamaForCausalLM" in foreign.stderr
+    assert (
+        "FingerprintMismatch" in foreign.stderr
+        and "architecture: file Gemma3ForCausalLM, model LlamaForCausalLM" in foreign.stderr
+    )
     plain = tmp_path / "plain.safetensors"
     save_file({"x": torch.zeros(2)}, str(plain))
     bare = subprocess.run(cli[:-1] + [str(plain)], capture_output=True, text=True)
@@ -74,9 +86,12 @@ def test_cli_inspect_reports_producer_integrity_and_fit(tmp_path):
 
 
 def test_check_table_on_a_tiny_model():
-    from kvlab.check import check_rows, format_rows
+    from kvlab.measure.check import check_rows, format_rows
 
-    rows = {r["strategy"]: r for r in check_rows(kvlab.load_model("tiny-llama"), ["first fragment.", " second one."], [" and"])}
+    rows = {
+        r["strategy"]: r
+        for r in check_rows(kvlab.load_model("tiny-llama"), ["first fragment.", " second one."], [" and"])
+    }
     assert "RoPE phase" in rows["fail"]["refused"]
     assert rows["rerotate"]["max_k_phase"] < 1e-5 < rows["naive"]["max_k_phase"]
     assert rows["reprefill"]["kl_max"] == 0.0

@@ -5,6 +5,7 @@ run here without anyone editing this file. ``make`` lines are checked against th
 Makefile's targets; ``make test`` is CI's own entry point, and the ``kvlab`` commands
 that ``make report`` runs are listed in the README and run here.
 """
+
 from __future__ import annotations
 
 import json
@@ -74,8 +75,9 @@ def test_make_targets_in_the_readme_exist():
 def test_make_report_runs_the_readme_commands():
     # `make report` is `kvlab models --prepare` then `kvlab report --out reports`; both are
     # README commands run by test_readme_kvlab_command.
-    dry = subprocess.run(["make", "-n", "-W", ".venv/.kvlab-setup", "report"], cwd=ROOT, capture_output=True,
-                         text=True, check=True).stdout
+    dry = subprocess.run(
+        ["make", "-n", "-W", ".venv/.kvlab-setup", "report"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
     recipe = [l.replace(".venv/bin/", "") for l in dry.splitlines() if "kvlab " in l and "pip" not in l]
     shown = [c.replace(".venv/bin/", "") for c in KVLAB_COMMANDS]
     assert recipe and all(r in shown for r in recipe), (recipe, shown)
@@ -135,8 +137,11 @@ def test_readme_mismatch_table_matches_notebook_03():
 @pytest.mark.real
 def test_readme_check_output_matches_a_run():
     block = next(b for b in _blocks("") if b.lstrip().startswith("$ kvlab check"))
-    shown = {l.split()[0]: l.split() for l in block.splitlines()[1:] if l.split() and l.split()[0] in
-             {"naive", "fail", "reprefill", "rerotate", "recompute"}}
+    shown = {
+        l.split()[0]: l.split()
+        for l in block.splitlines()[1:]
+        if l.split() and l.split()[0] in {"naive", "fail", "reprefill", "rerotate", "recompute"}
+    }
     run = subprocess.run(KVLAB + ["check", "--json"], cwd=ROOT, capture_output=True, text=True, check=True)
     rows = {r["strategy"]: r for r in json.loads(run.stdout)}
     assert set(shown) == set(rows)
@@ -146,6 +151,12 @@ def test_readme_check_output_matches_a_run():
             assert words[1] == "refused:" and " ".join(words[2:]).rstrip(".").rstrip() in r["refused"]
             continue
         # Every column but the last (wall time, which varies from run to run).
-        want = [f"{r['max_k_phase']:.3e}", f"{r['max_v_phase']:.3e}", str(r["seq_len"]), f"{r['kl_mean']:.4f}",
-                f"{r['kl_max']:.4f}", r["top1_agree"]]
+        want = [
+            f"{r['max_k_phase']:.3e}",
+            f"{r['max_v_phase']:.3e}",
+            str(r["seq_len"]),
+            f"{r['kl_mean']:.4f}",
+            f"{r['kl_max']:.4f}",
+            r["top1_agree"],
+        ]
         assert words[1:7] == want, (name, words, want)

@@ -4,6 +4,7 @@ Every measure feeds both engines the same token ids (kvlab's tokenizer) and comp
 next-token distributions with ``KL(p || q)`` in nats, float64 over the full vocabulary.
 Means carry a 95% bootstrap interval over probes (2000 resamples, seed 0).
 """
+
 from __future__ import annotations
 
 import tempfile
@@ -13,9 +14,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import FingerprintMismatch, PeerError
-from ..models import GGUF_MODELS, LoadedModel
-from .llama_cpp import LlamaEngine
+from kvlab.errors import FingerprintMismatch, PeerError
+from kvlab.measure.metrics import kl_divergence
+from kvlab.measure.stats import mean_ci
+from kvlab.models.gguf import GGUF_MODELS
+from kvlab.models.loaded import LoadedModel
+from kvlab.peers.llama_cpp import LlamaEngine
 
 #: Prompts for conversion fidelity: varied topics and lengths, each read from BOS.
 CONVERSION_PROBES = [
@@ -47,14 +51,18 @@ def gguf_path(name: str) -> Path:
     ModelError
         When the model's package is not installed (the message says how to install it).
     """
-    from ..tiny import TINY_CONFIGS
+    from kvlab.models.tiny import TINY_CONFIGS
 
     if name in TINY_CONFIGS:
-        raise PeerError(f"cannot map {name!r} to llama.cpp: tiny models are built from a config in memory and have "
-                        f"no GGUF file; the models kvlab can run in llama.cpp are {', '.join(GGUF_MODELS)}")
+        raise PeerError(
+            f"cannot map {name!r} to llama.cpp: tiny models are built from a config in memory and have "
+            f"no GGUF file; the models kvlab can run in llama.cpp are {', '.join(GGUF_MODELS)}"
+        )
     if name not in GGUF_MODELS:
-        raise PeerError(f"cannot map {name!r} to llama.cpp: unknown model; the models kvlab can run in llama.cpp "
-                        f"are {', '.join(GGUF_MODELS)}")
+        raise PeerError(
+            f"cannot map {name!r} to llama.cpp: unknown model; the models kvlab can run in llama.cpp "
+            f"are {', '.join(GGUF_MODELS)}"
+        )
     spec = GGUF_MODELS[name]
     return spec.locate(spec)
 
@@ -65,8 +73,10 @@ def model_gguf(model: LoadedModel) -> Path:
     if src.get("kind") == "tiny" or not src.get("gguf_file"):
         return gguf_path(model.name)
     if src.get("derived"):
-        raise PeerError(f"cannot map {model.name!r} to llama.cpp: it is a derived variant ({src['derived']}) whose "
-                        "weights are no longer those of its GGUF file")
+        raise PeerError(
+            f"cannot map {model.name!r} to llama.cpp: it is a derived variant ({src['derived']}) whose "
+            "weights are no longer those of its GGUF file"
+        )
     if src.get("gguf_path"):
         return Path(src["gguf_path"])
     return gguf_path(model.name)
@@ -76,8 +86,10 @@ def check_vocab(model: LoadedModel, engine: LlamaEngine) -> None:
     """Refuse a pairing whose logits do not index the same vocabulary."""
     n_kvlab = model.model.get_output_embeddings().weight.shape[0]
     if n_kvlab != engine.n_vocab:
-        raise PeerError(f"vocabularies differ: kvlab's {model.name} has {n_kvlab} output tokens, llama.cpp's "
-                        f"{engine.path.name} has {engine.n_vocab}; token ids cannot be shared")
+        raise PeerError(
+            f"vocabularies differ: kvlab's {model.name} has {n_kvlab} output tokens, llama.cpp's "
+            f"{engine.path.name} has {engine.n_vocab}; token ids cannot be shared"
+        )
 
 
 def engine_for(model: LoadedModel, **options) -> LlamaEngine:
@@ -99,7 +111,7 @@ def _bos(model: LoadedModel) -> bool:
 
 
 def _ids(model: LoadedModel, text: str, bos: bool = False) -> torch.Tensor:
-    from ..fragments import tokenize
+    from kvlab.cache.fragments import tokenize
 
     return tokenize(model, text, bos=bos and _bos(model))
 
@@ -111,19 +123,10 @@ def kvlab_log_probs(model: LoadedModel, ids: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits.double(), -1)
 
 
-def kl(lp: torch.Tensor, lq: torch.Tensor) -> float:
-    """``KL(p || q)`` in nats of two ``[vocab]`` float64 log-probability vectors (clamped at 0)."""
-    return max(float((lp.exp() * (lp - lq)).sum()), 0.0)
-
-
-def bootstrap_ci(values, n: int = 2000, seed: int = 0) -> tuple[float, float]:
-    """95% percentile bootstrap interval of the mean of ``values``."""
-    v = np.asarray(values, dtype=np.float64)
-    if len(v) < 2:
-        return (float(v.mean()), float(v.mean())) if len(v) else (float("nan"), float("nan"))
-    rng = np.random.default_rng(seed)
-    means = v[rng.integers(0, len(v), size=(n, len(v)))].mean(1)
-    return float(np.quantile(means, 0.025)), float(np.quantile(means, 0.975))
+def interval(values) -> tuple[float, float]:
+    """``(lo, hi)`` of the 95% bootstrap interval of the mean (:func:`kvlab.mean_ci`, seed 0)."""
+    ci = mean_ci(values)
+    return ci.lo, ci.hi
 
 
 # ---------------------------------------------------------------------------- conversion fidelity
@@ -165,21 +168,22 @@ class ConversionFidelity:
     rows: list[dict] = field(default_factory=list, repr=False)
 
 
-def conversion_fidelity(model: LoadedModel, probes: list[str] | None = None, *, f32_file: bool = True,
-                        n_threads: int | None = None) -> ConversionFidelity:
+def conversion_fidelity(
+    model: LoadedModel, probes: list[str] | None = None, *, f32_file: bool = True, n_threads: int | None = None
+) -> ConversionFidelity:
     """How close kvlab's dequantised fp32 model comes to llama.cpp on the GGUF it came from.
 
     Parameters
     ----------
     model : LoadedModel
-        A GGUF-backed kvlab model (``smollm2-135m``, ``gemma3-270m`` or :func:`kvlab.models.load_gguf_file`).
+        A GGUF-backed kvlab model (``smollm2-135m``, ``gemma3-270m`` or :func:`kvlab.models.sources.load_gguf_file`).
     probes : list of str
         Prompts, each read from BOS (default :data:`CONVERSION_PROBES`).
     f32_file : bool
         Also run llama.cpp on an F32 requantisation of the file (kept in ``$KVLAB_CACHE/peers``;
         4 bytes per weight), to separate the quantised matmuls from everything else.
     """
-    from .llama_cpp import requantize
+    from kvlab.peers.llama_cpp import requantize
 
     probes = probes or CONVERSION_PROBES
     rows = []
@@ -192,13 +196,19 @@ def conversion_fidelity(model: LoadedModel, probes: list[str] | None = None, *, 
                 lq = kvlab_log_probs(model, ids)
                 eng.prefill(ids)
                 lp = eng.log_probs()
-                row = {"probe": probe, "tokens": len(ids), "kl": kl(lp, lq),
-                       "top1_llama": model.tokenizer.decode([int(lp.argmax())]),
-                       "top1_kvlab": model.tokenizer.decode([int(lq.argmax())]), "agree": int(lp.argmax()) == int(lq.argmax()),
-                       "same_ids": eng.tokenize(probe) == _ids(model, probe).tolist(), "kl_f32": None}
+                row = {
+                    "probe": probe,
+                    "tokens": len(ids),
+                    "kl": kl_divergence(lp, lq),
+                    "top1_llama": model.tokenizer.decode([int(lp.argmax())]),
+                    "top1_kvlab": model.tokenizer.decode([int(lq.argmax())]),
+                    "agree": int(lp.argmax()) == int(lq.argmax()),
+                    "same_ids": eng.tokenize(probe) == _ids(model, probe).tolist(),
+                    "kl_f32": None,
+                }
                 if f32 is not None:
                     f32.prefill(ids)
-                    row["kl_f32"] = kl(f32.log_probs(), lq)
+                    row["kl_f32"] = kl_divergence(f32.log_probs(), lq)
                 rows.append(row)
             desc = eng.info.desc
         finally:
@@ -207,10 +217,18 @@ def conversion_fidelity(model: LoadedModel, probes: list[str] | None = None, *, 
     kls = [r["kl"] for r in rows]
     kf = [r["kl_f32"] for r in rows] if f32_file else None
     return ConversionFidelity(
-        model=model.name, gguf=src.name, desc=desc, n=len(rows), kl_mean=float(np.mean(kls)),
-        kl_ci=bootstrap_ci(kls), kl_max=max(kls), top1=sum(r["agree"] for r in rows) / len(rows),
-        kl_f32_mean=float(np.mean(kf)) if kf else None, kl_f32_ci=bootstrap_ci(kf) if kf else None,
-        same_ids=sum(r["same_ids"] for r in rows) / len(rows), rows=rows,
+        model=model.name,
+        gguf=src.name,
+        desc=desc,
+        n=len(rows),
+        kl_mean=float(np.mean(kls)),
+        kl_ci=interval(kls),
+        kl_max=max(kls),
+        top1=sum(r["agree"] for r in rows) / len(rows),
+        kl_f32_mean=float(np.mean(kf)) if kf else None,
+        kl_f32_ci=interval(kf) if kf else None,
+        same_ids=sum(r["same_ids"] for r in rows) / len(rows),
+        rows=rows,
     )
 
 
@@ -235,22 +253,43 @@ class MergeRow:
 
     def __post_init__(self):
         self.kl_mean = float(np.mean(self.kls))
-        self.kl_ci = bootstrap_ci(self.kls)
+        self.kl_ci = interval(self.kls)
         self.kl_max = float(max(self.kls))
 
     def row(self) -> dict:
-        return {"engine": self.engine, "method": self.method, "reference": self.reference, "kl_mean": self.kl_mean,
-                "kl_lo": self.kl_ci[0], "kl_hi": self.kl_ci[1], "kl_max": self.kl_max, "top1": self.top1}
+        return {
+            "engine": self.engine,
+            "method": self.method,
+            "reference": self.reference,
+            "kl_mean": self.kl_mean,
+            "kl_lo": self.kl_ci[0],
+            "kl_hi": self.kl_ci[1],
+            "kl_max": self.kl_max,
+            "top1": self.top1,
+        }
 
 
 def _compare(engine, method, reference, lps, lqs) -> MergeRow:
-    return MergeRow(engine, method, reference, [kl(p, q) for p, q in zip(lps, lqs, strict=True)],
-                    sum(int(p.argmax()) == int(q.argmax()) for p, q in zip(lps, lqs)) / len(lps))
+    return MergeRow(
+        engine,
+        method,
+        reference,
+        [kl_divergence(p, q) for p, q in zip(lps, lqs, strict=True)],
+        sum(int(p.argmax()) == int(q.argmax()) for p, q in zip(lps, lqs)) / len(lps),
+    )
 
 
-def merge_side_by_side(model: LoadedModel, texts: list[str], probes: list[str], *, ratio: float = 0.15,
-                       engine: LlamaEngine | None = None, kvlab_rows: bool = True, f32_file: bool = True,
-                       **engine_options) -> list[MergeRow]:
+def merge_side_by_side(
+    model: LoadedModel,
+    texts: list[str],
+    probes: list[str],
+    *,
+    ratio: float = 0.15,
+    engine: LlamaEngine | None = None,
+    kvlab_rows: bool = True,
+    f32_file: bool = True,
+    **engine_options,
+) -> list[MergeRow]:
     """llama.cpp's shift-merge and kvlab's merges, each against its own engine's joined prefill.
 
     The fragments are ``texts`` tokenised by kvlab (the first with BOS), each prefilled
@@ -270,9 +309,9 @@ def merge_side_by_side(model: LoadedModel, texts: list[str], probes: list[str], 
     ``kvlab_rows=False`` leaves out kvlab's rows; ``engine_options`` (e.g. ``swa_full=False``)
     go to the :class:`LlamaEngine` made here when no ``engine`` is given.
     """
-    from ..case import FidelityReference
-    from ..fidelity import fidelity
-    from ..fragments import joined_prefill, prefill
+    from kvlab.cache.fragments import joined_prefill, prefill
+    from kvlab.measure.case import FidelityReference
+    from kvlab.measure.fidelity import fidelity
 
     if len(texts) < 2:
         raise PeerError("a merge needs at least two fragment texts")
@@ -280,8 +319,12 @@ def merge_side_by_side(model: LoadedModel, texts: list[str], probes: list[str], 
     ids = [f.token_ids for f in frags]
     probe_ids = [_ids(model, p) for p in probes]
     own = engine is None
-    eng = engine or engine_for(model, n_ctx=max(512, 2 * (sum(map(len, ids)) + max(map(len, probe_ids)))),
-                               n_seq_max=len(frags), **engine_options)
+    eng = engine or engine_for(
+        model,
+        n_ctx=max(512, 2 * (sum(map(len, ids)) + max(map(len, probe_ids)))),
+        n_seq_max=len(frags),
+        **engine_options,
+    )
     try:
         eng.prefill(torch.cat(ids))
         joined = [eng.read(p) for p in probe_ids]
@@ -292,16 +335,19 @@ def merge_side_by_side(model: LoadedModel, texts: list[str], probes: list[str], 
     finally:
         if own:
             eng.close()
-    rows = [_compare("llama.cpp", "shift", "joined", joined, shifted),
-            _compare("llama.cpp", "phase", "joined", joined, phase),
-            _compare("llama.cpp", "shift", "phase", phase, shifted)]
+    rows = [
+        _compare("llama.cpp", "shift", "joined", joined, shifted),
+        _compare("llama.cpp", "phase", "joined", joined, phase),
+        _compare("llama.cpp", "shift", "phase", phase, shifted),
+    ]
     if f32_file:
         # The same two merges with the dequantised weights: without 8-bit activations the
         # K-shift's only error left is the rounding of rotated f16 keys.
-        from .llama_cpp import requantize
+        from kvlab.peers.llama_cpp import requantize
 
-        with LlamaEngine(requantize(model_gguf(model), "F32"), n_ctx=eng.n_ctx, n_seq_max=len(frags),
-                         **engine_options) as f32:
+        with LlamaEngine(
+            requantize(model_gguf(model), "F32"), n_ctx=eng.n_ctx, n_seq_max=len(frags), **engine_options
+        ) as f32:
             f32.shift_merge(ids)
             shifted32 = [f32.read(p) for p in probe_ids]
             f32.phase_merge(ids)
@@ -313,8 +359,11 @@ def merge_side_by_side(model: LoadedModel, texts: list[str], probes: list[str], 
     k_joined = [ref.read(p, 0)[0] for p in probes]
     for strategy, opts in (("naive", {}), ("rerotate", {}), ("recompute", {"ratio": ratio})):
         fid = fidelity(model, frags, strategy, probes=probes, greedy_tokens=0, reference=ref, **opts)
-        rows.append(MergeRow("kvlab", strategy + (f" r={ratio}" if opts else ""), "joined",
-                             [r["kl"] for r in fid.probes], fid.top1))
+        rows.append(
+            MergeRow(
+                "kvlab", strategy + (f" r={ratio}" if opts else ""), "joined", [r["kl"] for r in fid.probes], fid.top1
+            )
+        )
     rows.append(_compare("both", "joined", "llama.cpp joined", joined, k_joined))
     return rows
 
@@ -329,8 +378,10 @@ def format_rows(rows) -> str:
     head = f"{'engine':<13} {'method':<16} {'reference':<17} {'KL mean':>8} {'95% CI':>17} {'KL max':>8} {'top-1':>6}"
     out = [head, "-" * len(head)]
     for r in rows:
-        out.append(f"{r.engine:<13} {r.method:<16} {r.reference:<17} {_num(r.kl_mean):>8} "
-                   f"{'[' + _num(r.kl_ci[0]) + ', ' + _num(r.kl_ci[1]) + ']':>17} {_num(r.kl_max):>8} {r.top1:>6.2f}")
+        out.append(
+            f"{r.engine:<13} {r.method:<16} {r.reference:<17} {_num(r.kl_mean):>8} "
+            f"{'[' + _num(r.kl_ci[0]) + ', ' + _num(r.kl_ci[1]) + ']':>17} {_num(r.kl_max):>8} {r.top1:>6.2f}"
+        )
     return "\n".join(out)
 
 
@@ -364,8 +415,9 @@ class StateLoad:
         return float(max(self.kls)) if self.kls else None
 
 
-def state_file_study(model: LoadedModel, text: str, probes: list[str], readers: dict[str, Path],
-                     workdir) -> list[StateLoad]:
+def state_file_study(
+    model: LoadedModel, text: str, probes: list[str], readers: dict[str, Path], workdir
+) -> list[StateLoad]:
     """Write llama.cpp state files from ``model``'s GGUF and offer them to each reader GGUF.
 
     Parameters
@@ -401,19 +453,21 @@ def state_file_study(model: LoadedModel, text: str, probes: list[str], readers: 
                 row = StateLoad(kind, name, reader.info.desc, True)
                 if own is not None:
                     foreign = [reader.read(p) for p in probe_ids]
-                    row.kls = [kl(a, b) for a, b in zip(own, foreign)]
+                    row.kls = [kl_divergence(a, b) for a, b in zip(own, foreign)]
                     row.flips = sum(int(a.argmax()) != int(b.argmax()) for a, b in zip(own, foreign))
                 out.append(row)
     return out
 
 
-def kvlab_refusals(model: LoadedModel, text: str, readers: dict[str, LoadedModel], workdir) -> dict[str, list[str] | None]:
+def kvlab_refusals(
+    model: LoadedModel, text: str, readers: dict[str, LoadedModel], workdir
+) -> dict[str, list[str] | None]:
     """kvlab's answer to the same pairs: save a cache file from ``model``, load it into each reader.
 
     Returns, per reader, the list of differing strict fingerprint fields (``None`` if it loaded).
     """
-    from ..cachefile import load_cache, save_cache
-    from ..fragments import prefill
+    from kvlab.cache.fragments import prefill
+    from kvlab.files.io import load_cache, save_cache
 
     path = save_cache(Path(workdir) / "producer.kvcache", prefill(model, text, bos=_bos(model)), model)
     out = {}
@@ -431,14 +485,17 @@ def kvlab_refusals(model: LoadedModel, text: str, readers: dict[str, LoadedModel
 
 def peer_table(model: LoadedModel, texts: list[str] | None = None, probes: list[str] | None = None) -> str:
     """The side-by-side tables ``kvlab peers`` prints: conversion fidelity, then merges."""
-    from ..check import DEFAULT_PROBES, DEFAULT_TEXTS
+    from kvlab.measure.case import DEFAULT_PROBES, DEFAULT_TEXTS
 
     conv = conversion_fidelity(model)
-    lines = [f"kvlab {model.name} (fp32, dequantised) against llama.cpp on {conv.gguf} ({conv.desc})",
-             f"conversion: KL(llama.cpp || kvlab) mean {conv.kl_mean:.4f} nats [95% CI {conv.kl_ci[0]:.4f}, "
-             f"{conv.kl_ci[1]:.4f}], max {conv.kl_max:.4f}, top-1 agree {conv.top1:.2f}, n={conv.n} prompts; "
-             f"llama.cpp on an F32 copy of the file {conv.kl_f32_mean:.2e}; same token ids {conv.same_ids:.2f}",
-             "", "merges: next-token KL (nats) against each engine's own joined prefill"]
+    lines = [
+        f"kvlab {model.name} (fp32, dequantised) against llama.cpp on {conv.gguf} ({conv.desc})",
+        f"conversion: KL(llama.cpp || kvlab) mean {conv.kl_mean:.4f} nats [95% CI {conv.kl_ci[0]:.4f}, "
+        f"{conv.kl_ci[1]:.4f}], max {conv.kl_max:.4f}, top-1 agree {conv.top1:.2f}, n={conv.n} prompts; "
+        f"llama.cpp on an F32 copy of the file {conv.kl_f32_mean:.2e}; same token ids {conv.same_ids:.2f}",
+        "",
+        "merges: next-token KL (nats) against each engine's own joined prefill",
+    ]
     rows = merge_side_by_side(model, texts or DEFAULT_TEXTS, probes or DEFAULT_PROBES)
     lines.append(format_rows(rows))
     return "\n".join(lines)
@@ -446,7 +503,7 @@ def peer_table(model: LoadedModel, texts: list[str] | None = None, probes: list[
 
 def temp_workdir() -> Path:
     """A fresh folder for state files under ``$KVLAB_CACHE/peers``."""
-    from ..models import cache_root
+    from kvlab.models.loaded import cache_root
 
     root = cache_root() / "peers"
     root.mkdir(parents=True, exist_ok=True)
@@ -454,7 +511,20 @@ def temp_workdir() -> Path:
 
 
 __all__ = [
-    "CONVERSION_PROBES", "ConversionFidelity", "MergeRow", "StateLoad", "bootstrap_ci", "check_vocab",
-    "conversion_fidelity", "engine_for", "format_rows", "gguf_path", "kl", "kvlab_log_probs", "kvlab_refusals",
-    "merge_side_by_side", "model_gguf", "peer_table", "state_file_study", "temp_workdir",
+    "CONVERSION_PROBES",
+    "ConversionFidelity",
+    "MergeRow",
+    "StateLoad",
+    "check_vocab",
+    "conversion_fidelity",
+    "engine_for",
+    "format_rows",
+    "gguf_path",
+    "kvlab_log_probs",
+    "kvlab_refusals",
+    "merge_side_by_side",
+    "model_gguf",
+    "peer_table",
+    "state_file_study",
+    "temp_workdir",
 ]

@@ -9,13 +9,11 @@ calls that shift and copy cached sequences, state files and requantisation.
 Both engines get the *same token ids*: kvlab's tokenizer makes them, llama.cpp is fed ids,
 never text, so a difference between the engines is never a tokenisation difference.
 """
+
 from __future__ import annotations
 
 import collections
 import ctypes
-import os
-import shutil
-import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,10 +21,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import PeerError
+from kvlab.atomic import atomic_path
+from kvlab.errors import PeerError
 
-INSTALL_HINT = ("llama.cpp comparisons need the `peers` extra (llama-cpp-python==0.3.36, which compiles "
-                "llama.cpp from source: about 6 minutes on 2 cores): pip install -e '.[peers]'   or: make peers")
+INSTALL_HINT = (
+    "llama.cpp comparisons need the `peers` extra (llama-cpp-python==0.3.36, which compiles "
+    "llama.cpp from source: about 6 minutes on 2 cores): pip install -e '.[peers]'   or: make peers"
+)
 
 _LIB = None
 _LIB_LOCK = threading.Lock()
@@ -88,20 +89,9 @@ def available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
-def _said(since: int) -> str:
-    lines = list(_LOG)[since:] if since <= len(_LOG) else list(_LOG)
-    return "; ".join(lines) if lines else "(llama.cpp logged no reason)"
-
-
-def log_since(mark: int) -> list[str]:
-    """llama.cpp's warning and error lines logged after ``mark`` (see :func:`log_mark`)."""
-    return list(_LOG)[mark:]
-
-
-def log_mark() -> int:
-    """A position in llama.cpp's captured log; drop the old lines first so positions stay valid."""
-    _LOG.clear()
-    return 0
+def _said() -> str:
+    """llama.cpp's warning and error lines since the log was last cleared, for an error message."""
+    return "; ".join(_LOG) if _LOG else "(llama.cpp logged no reason)"
 
 
 def check_gguf_file(path) -> Path:
@@ -170,19 +160,29 @@ class LlamaEngine:
     :class:`kvlab.PeerError` with what llama.cpp logged.
     """
 
-    def __init__(self, path, *, n_ctx: int = 4096, n_seq_max: int = 4, n_threads: int | None = None,
-                 kv_type: str = "f16", swa_full: bool = True, n_batch: int = 512, flash_attn: bool | None = None):
+    def __init__(
+        self,
+        path,
+        *,
+        n_ctx: int = 4096,
+        n_seq_max: int = 4,
+        n_threads: int | None = None,
+        kv_type: str = "f16",
+        swa_full: bool = True,
+        n_batch: int = 512,
+        flash_attn: bool | None = None,
+    ):
         path = check_gguf_file(path)
         L = lib()
         if kv_type not in KV_TYPES:
             raise PeerError(f"kv_type must be one of {sorted(KV_TYPES)}, got {kv_type!r}")
         self._model = self._ctx = self._batch = None
         self.path = path
-        mark = log_mark()
+        _LOG.clear()
         mparams = L.llama_model_default_params()
         model = L.llama_model_load_from_file(str(path).encode(), mparams)
         if not model:
-            raise PeerError(f"llama.cpp could not load {path}: {_said(mark)}")
+            raise PeerError(f"llama.cpp could not load {path}: {_said()}")
         self._model = model
         self.vocab = L.llama_model_get_vocab(model)
         self.n_vocab = int(L.llama_vocab_n_tokens(self.vocab))
@@ -202,8 +202,10 @@ class LlamaEngine:
         ctx = L.llama_init_from_model(model, cparams)
         if not ctx:
             self.close()
-            raise PeerError(f"llama.cpp could not create a context for {path} (n_ctx={n_ctx}, "
-                            f"n_seq_max={n_seq_max}, kv_type={kv_type}): {_said(mark)}")
+            raise PeerError(
+                f"llama.cpp could not create a context for {path} (n_ctx={n_ctx}, "
+                f"n_seq_max={n_seq_max}, kv_type={kv_type}): {_said()}"
+            )
         self._ctx = ctx
         self.n_ctx = int(L.llama_n_ctx(ctx))
         self.n_seq_max = int(n_seq_max)
@@ -215,10 +217,15 @@ class LlamaEngine:
         arch = ctypes.create_string_buffer(64)
         L.llama_model_meta_val_str(model, b"general.architecture", arch, len(arch))
         self.info = EngineInfo(
-            path=str(path), arch=arch.value.decode(), desc=buf.value.decode(),
-            n_layer=int(L.llama_model_n_layer(model)), n_head_kv=int(L.llama_model_n_head_kv(model)),
-            n_embd=int(L.llama_model_n_embd(model)), n_swa=int(L.llama_model_n_swa(model)),
-            n_vocab=self.n_vocab, n_ctx_train=int(L.llama_model_n_ctx_train(model)),
+            path=str(path),
+            arch=arch.value.decode(),
+            desc=buf.value.decode(),
+            n_layer=int(L.llama_model_n_layer(model)),
+            n_head_kv=int(L.llama_model_n_head_kv(model)),
+            n_embd=int(L.llama_model_n_embd(model)),
+            n_swa=int(L.llama_model_n_swa(model)),
+            n_vocab=self.n_vocab,
+            n_ctx_train=int(L.llama_model_n_ctx_train(model)),
         )
 
     # ------------------------------------------------------------------ lifetime
@@ -301,11 +308,13 @@ class LlamaEngine:
             raise PeerError(f"sequence id {seq} out of range [0, {self.n_seq_max})")
         bad = [t for t in ids if not 0 <= t < self.n_vocab]
         if bad:
-            raise PeerError(f"token id {bad[0]} is outside llama.cpp's vocabulary of {self.n_vocab} for {self.path.name}")
+            raise PeerError(
+                f"token id {bad[0]} is outside llama.cpp's vocabulary of {self.n_vocab} for {self.path.name}"
+            )
         pos = self.pos_max(seq) + 1 if start is None else int(start)
         b = self._batch
         for lo in range(0, len(ids), self.n_batch):
-            chunk = ids[lo:lo + self.n_batch]
+            chunk = ids[lo : lo + self.n_batch]
             last_chunk = lo + self.n_batch >= len(ids)
             for i, t in enumerate(chunk):
                 b.token[i] = t
@@ -314,11 +323,13 @@ class LlamaEngine:
                 b.seq_id[i][0] = seq
                 b.logits[i] = last_chunk and i == len(chunk) - 1
             b.n_tokens = len(chunk)
-            mark = log_mark()
+            _LOG.clear()
             rc = L.llama_decode(self._ctx, b)
             if rc != 0:
-                raise PeerError(f"llama.cpp refused to decode {len(chunk)} tokens on sequence {seq} at position "
-                                f"{pos + lo} (llama_decode returned {rc}): {_said(mark)}")
+                raise PeerError(
+                    f"llama.cpp refused to decode {len(chunk)} tokens on sequence {seq} at position "
+                    f"{pos + lo} (llama_decode returned {rc}): {_said()}"
+                )
 
     def log_probs(self) -> torch.Tensor:
         """``[n_vocab]`` float64 log-softmax of the logits of the last decoded token."""
@@ -368,10 +379,14 @@ class LlamaEngine:
         """
         L = self._live()
         if len(fragments) > self.n_seq_max:
-            raise PeerError(f"{len(fragments)} fragments need {len(fragments)} sequences; "
-                            f"this engine was made with n_seq_max={self.n_seq_max}")
+            raise PeerError(
+                f"{len(fragments)} fragments need {len(fragments)} sequences; "
+                f"this engine was made with n_seq_max={self.n_seq_max}"
+            )
         if not L.llama_memory_can_shift(self._mem):
-            raise PeerError(f"llama.cpp cannot shift the KV cache of {self.path.name} (llama_memory_can_shift is false)")
+            raise PeerError(
+                f"llama.cpp cannot shift the KV cache of {self.path.name} (llama_memory_can_shift is false)"
+            )
         self.clear()
         for i, ids in enumerate(fragments):
             self.decode(ids, i, 0)
@@ -391,10 +406,12 @@ class LlamaEngine:
         keys are computed at the right phase instead of being rotated there by a K-shift. The
         two differ only by the rounding of the rotation of f16 keys.
         """
-        L = self._live()
+        self._live()
         if len(fragments) > self.n_seq_max:
-            raise PeerError(f"{len(fragments)} fragments need {len(fragments)} sequences; "
-                            f"this engine was made with n_seq_max={self.n_seq_max}")
+            raise PeerError(
+                f"{len(fragments)} fragments need {len(fragments)} sequences; "
+                f"this engine was made with n_seq_max={self.n_seq_max}"
+            )
         self.clear()
         offset = 0
         for i, ids in enumerate(fragments):
@@ -426,23 +443,18 @@ class LlamaEngine:
 
     def save_seq_state(self, path, tokens, seq: int = 0) -> Path:
         """Write one sequence's state file (``llama_state_seq_save_file``); atomic."""
-        return self._write(path, lambda tmp, arr, n: self._live().llama_state_seq_save_file(self._ctx, tmp, seq, arr, n) > 0,
-                           tokens)
+        return self._write(
+            path, lambda tmp, arr, n: self._live().llama_state_seq_save_file(self._ctx, tmp, seq, arr, n) > 0, tokens
+        )
 
     def _write(self, path, call, tokens) -> Path:
         path = Path(path)
         toks = [int(t) for t in (tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens)]
         arr = (ctypes.c_int32 * max(1, len(toks)))(*toks)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
-        os.close(fd)
-        mark = log_mark()
-        try:
-            if not call(tmp.encode(), arr, len(toks)):
-                raise PeerError(f"llama.cpp could not write {path}: {_said(mark)}")
-            os.replace(tmp, path)
-        finally:
-            Path(tmp).unlink(missing_ok=True)
+        _LOG.clear()
+        with atomic_path(path) as tmp:
+            if not call(str(tmp).encode(), arr, len(toks)):
+                raise PeerError(f"llama.cpp could not write {path}: {_said()}")
         return path
 
     def load_state(self, path, capacity: int = 1 << 16) -> list[int]:
@@ -454,9 +466,9 @@ class LlamaEngine:
         path = _existing(path)
         arr = (ctypes.c_int32 * capacity)()
         n = ctypes.c_size_t(0)
-        mark = log_mark()
+        _LOG.clear()
         if not L.llama_state_load_file(self._ctx, str(path).encode(), arr, capacity, ctypes.byref(n)):
-            raise PeerError(f"llama.cpp refused the state file {path.name}: {_said(mark)}")
+            raise PeerError(f"llama.cpp refused the state file {path.name}: {_said()}")
         return list(arr[: n.value])
 
     def load_seq_state(self, path, seq: int = 0, capacity: int = 1 << 16) -> list[int]:
@@ -465,9 +477,9 @@ class LlamaEngine:
         path = _existing(path)
         arr = (ctypes.c_int32 * capacity)()
         n = ctypes.c_size_t(0)
-        mark = log_mark()
+        _LOG.clear()
         if not L.llama_state_seq_load_file(self._ctx, str(path).encode(), seq, arr, capacity, ctypes.byref(n)):
-            raise PeerError(f"llama.cpp refused the sequence state file {path.name}: {_said(mark)}")
+            raise PeerError(f"llama.cpp refused the sequence state file {path.name}: {_said()}")
         return list(arr[: n.value])
 
     def state_bytes(self) -> bytes:
@@ -481,9 +493,9 @@ class LlamaEngine:
     def set_state_bytes(self, data: bytes) -> None:
         L = self._live()
         buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-        mark = log_mark()
+        _LOG.clear()
         if L.llama_state_set_data(self._ctx, buf, len(data)) == 0:
-            raise PeerError(f"llama.cpp refused the in-memory state: {_said(mark)}")
+            raise PeerError(f"llama.cpp refused the in-memory state: {_said()}")
 
 
 def _existing(path) -> Path:
@@ -508,7 +520,8 @@ def requantize(src, ftype: str = "Q4_0", out_dir=None, n_threads: int | None = N
     Path
         The requantised GGUF file.
     """
-    from ..models import cache_root, sha256_cached
+    from kvlab.models.gguf import sha256_cached
+    from kvlab.models.loaded import cache_root
 
     src = check_gguf_file(src)
     L = lib()
@@ -519,18 +532,13 @@ def requantize(src, ftype: str = "Q4_0", out_dir=None, n_threads: int | None = N
     target = out_dir / f"{src.stem}.{ftype}-{sha256_cached(src)[:16]}.gguf"
     if target.is_file():
         return target
-    tmp_dir = Path(tempfile.mkdtemp(dir=out_dir, prefix=".quantize-"))
-    try:
-        tmp = tmp_dir / target.name
+    with atomic_path(target) as tmp:
         params = L.llama_model_quantize_default_params()
         params.ftype = FTYPES[ftype]
         params.allow_requantize = True
         params.nthread = int(n_threads or torch.get_num_threads())
-        mark = log_mark()
+        _LOG.clear()
         rc = L.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
-        if rc != 0 or not tmp.is_file():
-            raise PeerError(f"llama_model_quantize failed on {src.name} -> {ftype} (returned {rc}): {_said(mark)}")
-        os.replace(tmp, target)
-    finally:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
+        if rc != 0 or not tmp.stat().st_size:
+            raise PeerError(f"llama_model_quantize failed on {src.name} -> {ftype} (returned {rc}): {_said()}")
     return target

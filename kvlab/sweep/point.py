@@ -13,39 +13,32 @@ and model cache the notebook's kernel used, costs one model load per worker (abo
 for SmolLM2, milliseconds for tiny models; the weights hash itself is cached next to the
 converted model), and needs nothing from the notebook.
 """
+
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
 from pathlib import Path
 
-from ..identity import package_versions
-from .files import read_json, write_atomic, write_json
+from kvlab.atomic import atomic_path, atomic_write_text
+from kvlab.lab.provenance import model_digest, versions
 
 RECORD_FORMAT = "kvlab-sweep-point-v1"
-_DIGESTS: dict[str, tuple[str | None, str | None]] = {}
 
 
-def model_digest(model_name) -> tuple[str | None, str | None]:
-    """(weights_sha256, error) of ``model_name`` as this process loads it; memoised."""
-    if not isinstance(model_name, str):
-        return None, "no model_name parameter"
-    if model_name not in _DIGESTS:
-        try:
-            from ..identity import fingerprint
-            from ..sources import load_model  # catalogue names and paths alike
-
-            model = load_model(model_name)
-            _DIGESTS[model_name] = (fingerprint(model, weights=True)["weights_sha256"], None)
-            del model
-        except Exception as e:  # noqa: BLE001  a point's record still gets written; the error says why
-            _DIGESTS[model_name] = (None, f"{type(e).__name__}: {e}")
-    return _DIGESTS[model_name]
+def write_json(path, obj) -> Path:
+    """Write ``obj`` as JSON atomically (a rerun after a killed worker sees the old file or the new one)."""
+    return atomic_write_text(Path(path), json.dumps(obj, indent=1, sort_keys=True, allow_nan=False) + "\n")
 
 
-def versions() -> dict:
-    return dict(package_versions("kvlab", "torch", "transformers", "papermill", "distributed"))
+def read_json(path) -> dict | None:
+    """A JSON file's object, or None when it is missing or unreadable (then the point is redone)."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
 
 
 def _error_text(e: BaseException) -> str:
@@ -83,7 +76,7 @@ def execute(task: dict, folder: Path) -> tuple[str, str | None]:
     import papermill as pm
     from jupyter_client import AsyncKernelManager
 
-    from ..kernel import kernel_name
+    from kvlab.lab.kernel import kernel_name
 
     started: list = []
 
@@ -110,13 +103,22 @@ def execute(task: dict, folder: Path) -> tuple[str, str | None]:
     if timer is not None:
         timer.daemon = True
         timer.start()
-    tmp = folder / f".notebook.{os.getpid()}.{threading.get_ident()}.tmp.ipynb"
     status, error = "ok", None
+    # papermill writes the notebook as far as it ran, failures included; keep it either way.
+    written = atomic_path(folder / "notebook.ipynb")
+    tmp = written.__enter__()
     stderr = open(folder / "kernel-stderr.txt", "w")
     try:
-        pm.execute_notebook(task["notebook"], str(tmp), parameters=task["parameters"], kernel_name=kernel_name(),
-                            cwd=str(Path(task["notebook"]).parent), progress_bar=False, log_output=False,
-                            kernel_manager_class=TrackedKernelManager)
+        pm.execute_notebook(
+            task["notebook"],
+            str(tmp),
+            parameters=task["parameters"],
+            kernel_name=kernel_name(),
+            cwd=str(Path(task["notebook"]).parent),
+            progress_bar=False,
+            log_output=False,
+            kernel_manager_class=TrackedKernelManager,
+        )
     except Exception as e:  # noqa: BLE001  every failure of the notebook is the point's result
         status, error = "failed", _error_text(e)
     finally:
@@ -125,23 +127,27 @@ def execute(task: dict, folder: Path) -> tuple[str, str | None]:
         stderr.close()
     if timed_out.is_set():
         status, error = "failed", f"timed out after {task['timeout']:g} s (kernel killed)"
-    if tmp.exists():  # papermill writes the notebook as far as it ran, failures included
-        os.replace(tmp, folder / "notebook.ipynb")
+    if tmp.stat().st_size:
+        written.__exit__(None, None, None)
         try:
             from nbconvert import HTMLExporter
 
             body, _ = HTMLExporter().from_filename(str(folder / "notebook.ipynb"))
-            write_atomic(folder / "notebook.html", body)
+            atomic_write_text(folder / "notebook.html", body)
         except Exception as e:  # noqa: BLE001  a report that cannot render still has its notebook
             error = (error + "; " if error else "") + f"HTML export failed: {_error_text(e)}"
+    else:  # the kernel never started: nothing to keep
+        written.__exit__(RuntimeError, RuntimeError("no notebook"), None)
     return status, error
 
 
 def _json_ready(records: list[dict]) -> list[dict]:
-    from ..records import rounded
+    from kvlab.findings.records import rounded
 
-    return [dict(r, **{k: rounded(r[k]) if isinstance(r[k], float) else r[k] for k in ("value", "ci_low", "ci_high")})
-            for r in records]
+    return [
+        dict(r, **{k: rounded(r[k]) if isinstance(r[k], float) else r[k] for k in ("value", "ci_low", "ci_high")})
+        for r in records
+    ]
 
 
 def _worker_address() -> str:
@@ -155,9 +161,9 @@ def _worker_address() -> str:
 
 def run_point(task: dict) -> dict:
     """Execute one point (``task`` as built by the sweep) and return the record it wrote."""
-    from ..records import read_records
-
     import logging
+
+    from kvlab.findings.records import read_records
 
     # papermill logs a killed kernel as an error; the point's record carries it instead.
     logging.getLogger("papermill").setLevel(logging.CRITICAL)
@@ -170,8 +176,6 @@ def run_point(task: dict) -> dict:
         return old
     # A rerun replaces the outputs; until its record is written, the point counts as not done.
     (folder / "record.json").unlink(missing_ok=True)
-    for tmp in folder.glob(".*.tmp*"):  # left by a run that was killed
-        tmp.unlink(missing_ok=True)
     t0 = time.perf_counter()
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     status, error = execute(task, folder)

@@ -7,6 +7,7 @@ would only contend for the GIL and the model cache), ``n_workers`` = min(cores, 
 points on an existing cluster; its workers must see the output folder and the notebook
 at the same paths (one machine, or a shared filesystem) and have kvlab installed.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -19,9 +20,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .files import read_json, write_json
-from .point import RECORD_FORMAT, run_point
-from .study import Study
+from kvlab.sweep.point import RECORD_FORMAT, read_json, run_point, write_json
+from kvlab.sweep.study import Study
 
 #: Memory limit per local worker. The worker itself stays small (it loads each model once
 #: for its digest, 0.6 GB for SmolLM2 in fp32); the notebook kernel it starts is a child
@@ -80,8 +80,12 @@ def code_identity(notebook: Path) -> dict:
         version = md.version("kvlab")
     except md.PackageNotFoundError:
         version = None
-    return {"kvlab_version": version, "git_commit": _git_commit(), "kvlab_sha256": _kvlab_digest(),
-            "notebook_sha256": _notebook_digest(notebook)}
+    return {
+        "kvlab_version": version,
+        "git_commit": _git_commit(),
+        "kvlab_sha256": _kvlab_digest(),
+        "notebook_sha256": _notebook_digest(notebook),
+    }
 
 
 def point_folder(out: Path, point) -> Path:
@@ -104,13 +108,31 @@ def plan(study: Study, out: Path, force: bool = False) -> tuple[list[dict], list
     for p in study.points:
         folder = point_folder(out, p)
         old = read_json(folder / "record.json")
-        if (not force and old is not None and old.get("format") == RECORD_FORMAT and old.get("status") == "ok"
-                and old.get("parameters") == p.parameters and old.get("repeat") == p.repeat and old.get("code") == code):
+        if (
+            not force
+            and old is not None
+            and old.get("format") == RECORD_FORMAT
+            and old.get("status") == "ok"
+            and old.get("parameters") == p.parameters
+            and old.get("repeat") == p.repeat
+            and old.get("code") == code
+        ):
             done.append(old)
             continue
-        todo.append({"point": p.folder_name, "run_id": run_id, "index": p.index, "folder": str(folder.resolve()),
-                     "notebook": str(study.notebook), "parameters": p.parameters, "repeat": p.repeat,
-                     "timeout": study.timeout, "code": code, "default_model": default_model})
+        todo.append(
+            {
+                "point": p.folder_name,
+                "run_id": run_id,
+                "index": p.index,
+                "folder": str(folder.resolve()),
+                "notebook": str(study.notebook),
+                "parameters": p.parameters,
+                "repeat": p.repeat,
+                "timeout": study.timeout,
+                "code": code,
+                "default_model": default_model,
+            }
+        )
     return todo, done
 
 
@@ -131,49 +153,93 @@ def _client(scheduler: str | None, workers: int | None, n_points: int):
     from distributed import Client, LocalCluster
 
     if scheduler:
-        kw = {"scheduler_file": scheduler} if scheduler.endswith(".json") and Path(scheduler).is_file() else {"address": scheduler}
+        kw = (
+            {"scheduler_file": scheduler}
+            if scheduler.endswith(".json") and Path(scheduler).is_file()
+            else {"address": scheduler}
+        )
         with Client(timeout=30, **kw) as client:
             yield client
         return
     # A point that kills its worker is failed once, not retried on three more workers.
     with dask.config.set({"distributed.scheduler.allowed-failures": 0, "distributed.admin.tick.limit": "60s"}):
-        with LocalCluster(n_workers=local_workers(workers, n_points), threads_per_worker=1, processes=True,
-                          memory_limit=WORKER_MEMORY, dashboard_address=None, silence_logs=logging.ERROR) as cluster, \
-                Client(cluster) as client:
+        with (
+            LocalCluster(
+                n_workers=local_workers(workers, n_points),
+                threads_per_worker=1,
+                processes=True,
+                memory_limit=WORKER_MEMORY,
+                dashboard_address=None,
+                silence_logs=logging.ERROR,
+            ) as cluster,
+            Client(cluster) as client,
+        ):
             yield client
 
 
 def _lost_record(task: dict, error: str) -> dict:
-    from .point import versions
+    from kvlab.lab.provenance import versions
 
-    return {"format": RECORD_FORMAT, "point": task["point"], "run_id": task["run_id"], "parameters": task["parameters"],
-            "repeat": task["repeat"], "code": task["code"], "notebook": task["notebook"], "records": [],
-            "model_name": task["parameters"].get("model_name", task.get("default_model")),
-            "model_weights_sha256": None, "model_digest_error": "not computed: the point did not finish",
-            "versions": versions(), "started": None, "wall_s": None, "status": "failed", "error": error,
-            "worker": None}
+    return {
+        "format": RECORD_FORMAT,
+        "point": task["point"],
+        "run_id": task["run_id"],
+        "parameters": task["parameters"],
+        "repeat": task["repeat"],
+        "code": task["code"],
+        "notebook": task["notebook"],
+        "records": [],
+        "model_name": task["parameters"].get("model_name", task.get("default_model")),
+        "model_weights_sha256": None,
+        "model_digest_error": "not computed: the point did not finish",
+        "versions": versions(),
+        "started": None,
+        "wall_s": None,
+        "status": "failed",
+        "error": error,
+        "worker": None,
+    }
 
 
 def _quiet_dask_logs() -> None:
-    for name in ("distributed", "distributed.worker", "distributed.scheduler", "distributed.nanny",
-                 "distributed.core", "distributed.comm", "distributed.client"):
+    for name in (
+        "distributed",
+        "distributed.worker",
+        "distributed.scheduler",
+        "distributed.nanny",
+        "distributed.core",
+        "distributed.comm",
+        "distributed.client",
+    ):
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
-def run_study(study: Study, *, scheduler: str | None = None, workers: int | None = None, force: bool = False,
-              progress: bool | None = None) -> SweepResult:
+def run_study(
+    study: Study,
+    *,
+    scheduler: str | None = None,
+    workers: int | None = None,
+    force: bool = False,
+    progress: bool | None = None,
+) -> SweepResult:
     """Run every point of ``study`` that has no current record; write results.csv and index.html."""
     from tqdm.auto import tqdm
 
-    from .summary import write_summary
+    from kvlab.sweep.summary import write_summary
 
     out = study.output
     out.mkdir(parents=True, exist_ok=True)
     todo, done = plan(study, out, force)
     result = SweepResult(study=study, out=out, records=list(done), skipped=len(done))
-    write_json(out / "study.json", {"study": str(study.path), "notebook": str(study.notebook), "axes": study.axes,
-                                    "points": [{"point": p.folder_name, "parameters": p.parameters, "repeat": p.repeat}
-                                               for p in study.points]})
+    write_json(
+        out / "study.json",
+        {
+            "study": str(study.path),
+            "notebook": str(study.notebook),
+            "axes": study.axes,
+            "points": [{"point": p.folder_name, "parameters": p.parameters, "repeat": p.repeat} for p in study.points],
+        },
+    )
     if todo:
         _quiet_dask_logs()
         from distributed import as_completed
@@ -183,8 +249,10 @@ def run_study(study: Study, *, scheduler: str | None = None, workers: int | None
         show = sys.stderr.isatty() if progress is None else progress
         bar = tqdm(total=len(study.points), initial=len(done), desc="points", unit="pt", disable=not show)
         with _client(scheduler, workers, len(todo)) as client:
-            futures = {client.submit(run_point, t, key=f"kvlab-point-{t['point']}-{t['run_id'][:8]}", pure=False): t
-                       for t in todo}
+            futures = {
+                client.submit(run_point, t, key=f"kvlab-point-{t['point']}-{t['run_id'][:8]}", pure=False): t
+                for t in todo
+            }
             try:
                 for fut in as_completed(futures):
                     task = futures[fut]

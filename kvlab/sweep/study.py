@@ -25,6 +25,7 @@ parameter's default (an int where the default is an int, a float or int where it
 float, a list where it is a list, ...; a ``None`` default or one that is not a literal
 takes anything). Anything wrong raises :class:`StudyError` naming the key, before anything runs.
 """
+
 from __future__ import annotations
 
 import ast
@@ -36,14 +37,10 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import KvlabError
+from kvlab.errors import StudyError
 
 NOTEBOOK_DIR = Path(__file__).resolve().parents[2] / "notebooks"
 KEYS = {"notebook", "output", "timeout", "seeds", "repeats", "parameters", "grid", "zip"}
-
-
-class StudyError(KvlabError):
-    """A study file is unreadable or asks for something its notebook does not take; nothing was run."""
 
 
 @dataclass(frozen=True)
@@ -94,8 +91,10 @@ def resolve_notebook(name: str, base: Path) -> Path:
         if c.suffix == ".ipynb" and c.is_file():
             return c.resolve()
     suite = ", ".join(p.stem for p in sorted(NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb")))
-    raise StudyError(f"key 'notebook': unknown notebook {name!r} (not a file next to {base}, "
-                     f"nor a suite notebook; the suite has: {suite})")
+    raise StudyError(
+        f"key 'notebook': unknown notebook {name!r} (not a file next to {base}, "
+        f"nor a suite notebook; the suite has: {suite})"
+    )
 
 
 def _default(spec: dict):
@@ -136,12 +135,16 @@ def _type_ok(value, want) -> bool:
 
 def check_value(where: str, name: str, value, declared: dict, notebook: Path) -> None:
     if name not in declared:
-        raise StudyError(f"{where}: unknown parameter {name!r}: notebook {notebook.name} declares "
-                         f"{', '.join(declared) or 'no parameters'}")
+        raise StudyError(
+            f"{where}: unknown parameter {name!r}: notebook {notebook.name} declares "
+            f"{', '.join(declared) or 'no parameters'}"
+        )
     want = _expected(declared[name])
     if not _type_ok(value, want):
-        raise StudyError(f"{where}: parameter {name!r} must be {want.__name__} (its default in {notebook.name} is "
-                         f"{declared[name].get('default')}), got {type(value).__name__} {value!r:.60}")
+        raise StudyError(
+            f"{where}: parameter {name!r} must be {want.__name__} (its default in {notebook.name} is "
+            f"{declared[name].get('default')}), got {type(value).__name__} {value!r:.60}"
+        )
 
 
 def point_key(parameters: dict, repeat: int) -> str:
@@ -170,7 +173,9 @@ def load_study(path, *, output=None, timeout=None) -> Study:
         raise StudyError(f"{path} is not valid TOML: {e}") from None
     unknown = sorted(set(data) - KEYS)
     if unknown:
-        raise StudyError(f"unknown key(s) {', '.join(map(repr, unknown))} in {path.name}; a study takes {', '.join(sorted(KEYS))}")
+        raise StudyError(
+            f"unknown key(s) {', '.join(map(repr, unknown))} in {path.name}; a study takes {', '.join(sorted(KEYS))}"
+        )
     if "notebook" not in data:
         raise StudyError(f"key 'notebook' is missing in {path.name}")
     notebook = resolve_notebook(data["notebook"], path.parent)
@@ -203,13 +208,17 @@ def load_study(path, *, output=None, timeout=None) -> Study:
     if zipped:
         lengths = {name: len(_list(f"[zip] {name}", values)) for name, values in zipped.items()}
         if len(set(lengths.values())) > 1:
-            raise StudyError(f"[zip] lists must have one length, got {', '.join(f'{k}: {n}' for k, n in lengths.items())}")
+            raise StudyError(
+                f"[zip] lists must have one length, got {', '.join(f'{k}: {n}' for k, n in lengths.items())}"
+            )
         for name, values in zipped.items():
             for v in values:
                 check_value(f"[zip] {name}", name, v, declared, notebook)
     twice = (set(fixed) & (set(grid) | set(zipped))) | (set(grid) & set(zipped))
     if twice:
-        raise StudyError(f"parameter(s) {', '.join(sorted(twice))} set in more than one of [parameters], [grid], [zip], seeds")
+        raise StudyError(
+            f"parameter(s) {', '.join(sorted(twice))} set in more than one of [parameters], [grid], [zip], seeds"
+        )
 
     repeats = data.get("repeats", 1)
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
@@ -237,5 +246,12 @@ def load_study(path, *, output=None, timeout=None) -> Study:
     keys = [p.key for p in points]
     if len(set(keys)) != len(keys):
         raise StudyError("the grid repeats a point (the same parameters twice); list each value once")
-    return Study(path=path.resolve(), notebook=notebook, output=Path(out), timeout=None if t is None else float(t),
-                 points=points, axes=swept + (["repeat"] if repeats > 1 else []), declared=declared)
+    return Study(
+        path=path.resolve(),
+        notebook=notebook,
+        output=Path(out),
+        timeout=None if t is None else float(t),
+        points=points,
+        axes=swept + (["repeat"] if repeats > 1 else []),
+        declared=declared,
+    )

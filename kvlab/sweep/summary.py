@@ -5,6 +5,7 @@ row with an empty metric), with the swept parameters as columns. ``index.html`` 
 every metric against every swept parameter (one line per combination of the other swept
 parameters, CI error bars where the record has one) and links every point's report.
 """
+
 from __future__ import annotations
 
 import csv
@@ -12,13 +13,25 @@ import html
 import io
 import json
 import math
-import os
 from pathlib import Path
 
-from .files import write_atomic
+from kvlab.atomic import atomic_path, atomic_write_text
 
-COLUMNS_TAIL = ["metric", "value", "unit", "ci_low", "ci_high", "n", "status", "error", "wall_s",
-                "model_weights_sha256", "git_commit", "notebook_sha256", "report"]
+COLUMNS_TAIL = [
+    "metric",
+    "value",
+    "unit",
+    "ci_low",
+    "ci_high",
+    "n",
+    "status",
+    "error",
+    "wall_s",
+    "model_weights_sha256",
+    "git_commit",
+    "notebook_sha256",
+    "report",
+]
 
 
 def _cell(v):
@@ -34,19 +47,33 @@ def rows(study, records: list[dict]) -> list[dict]:
     params = list(dict.fromkeys(study.axes + ["model_name"]))
     out = []
     for r in records:
-        base = {"point": r["point"], **{k: r["parameters"].get(k, r.get(k) if k in ("model_name", "repeat") else None)
-                                        for k in params}}
-        common = {"status": r["status"], "error": r["error"], "wall_s": r["wall_s"],
-                  "model_weights_sha256": r["model_weights_sha256"], "git_commit": r["code"].get("git_commit"),
-                  "notebook_sha256": r["code"].get("notebook_sha256"), "report": f"points/{r['point']}/notebook.html"}
+        base = {
+            "point": r["point"],
+            **{k: r["parameters"].get(k, r.get(k) if k in ("model_name", "repeat") else None) for k in params},
+        }
+        common = {
+            "status": r["status"],
+            "error": r["error"],
+            "wall_s": r["wall_s"],
+            "model_weights_sha256": r["model_weights_sha256"],
+            "git_commit": r["code"].get("git_commit"),
+            "notebook_sha256": r["code"].get("notebook_sha256"),
+            "report": f"points/{r['point']}/notebook.html",
+        }
         metrics = r["records"] or [None]
         for m in metrics:
             row = dict(base)
             if m is None:
                 row.update(metric=None, value=None, unit=None, ci_low=None, ci_high=None, n=None)
             else:
-                row.update(metric=m["name"], value=m["value"], unit=m["unit"], ci_low=m["ci_low"],
-                           ci_high=m["ci_high"], n=m["n"])
+                row.update(
+                    metric=m["name"],
+                    value=m["value"],
+                    unit=m["unit"],
+                    ci_low=m["ci_low"],
+                    ci_high=m["ci_high"],
+                    n=m["n"],
+                )
             row.update(common)
             out.append(row)
     return out
@@ -60,7 +87,7 @@ def write_csv(path: Path, study, records: list[dict]) -> Path:
     w.writeheader()
     for row in table:
         w.writerow({k: _cell(row.get(k)) for k in head})
-    return write_atomic(path, buf.getvalue())
+    return atomic_write_text(path, buf.getvalue())
 
 
 def _num(v) -> float:
@@ -94,8 +121,9 @@ def _plot(path: Path, metric: str, unit: str, axis: str, others: list[str], poin
         lo = [_num(m["value"]) - _num(m["ci_low"]) if m["ci_low"] is not None else 0.0 for _, m in pts]
         hi = [_num(m["ci_high"]) - _num(m["value"]) if m["ci_high"] is not None else 0.0 for _, m in pts]
         has_ci = any(m["ci_low"] is not None for _, m in pts)
-        ax.errorbar(x, y, yerr=[lo, hi] if has_ci else None, marker="o", capsize=3,
-                    label=name if len(series) > 1 else None)
+        ax.errorbar(
+            x, y, yerr=[lo, hi] if has_ci else None, marker="o", capsize=3, label=name if len(series) > 1 else None
+        )
     if not numeric:
         ax.set_xticks(range(len(labels)), [l[:18] for l in labels], rotation=20, ha="right")
     ax.set_xlabel(axis)
@@ -104,10 +132,9 @@ def _plot(path: Path, metric: str, unit: str, axis: str, others: list[str], poin
     if 1 < len(series) <= 8:
         ax.legend(fontsize=7)
     fig.tight_layout()
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.png")
-    fig.savefig(tmp, dpi=90)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=90, format="png")
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 def write_index(out: Path, study, records: list[dict]) -> Path:
@@ -130,36 +157,40 @@ def write_index(out: Path, study, records: list[dict]) -> Path:
                 continue
             name = f"{metric}__{axis}.png".replace("/", "-")
             _plot(plots_dir / name, metric, unit, axis, [a for a in axes if a != axis], pts)
-            figs.append(f"<figure><img src='plots/{html.escape(name)}' alt='{html.escape(metric)} vs "
-                        f"{html.escape(axis)}'></figure>")
+            figs.append(
+                f"<figure><img src='plots/{html.escape(name)}' alt='{html.escape(metric)} vs "
+                f"{html.escape(axis)}'></figure>"
+            )
     failed = [r for r in records if r["status"] != "ok"]
     rows_html = []
     for r in records:
-        shown = ", ".join(f"{k}={json.dumps(r['parameters'].get(k, r['repeat'] if k == 'repeat' else None))[:40]}"
-                          for k in axes)
+        shown = ", ".join(
+            f"{k}={json.dumps(r['parameters'].get(k, r['repeat'] if k == 'repeat' else None))[:40]}" for k in axes
+        )
         found = "; ".join(f"{m['name']} = {m['value']}{(' ' + m['unit']) if m['unit'] else ''}" for m in r["records"])
         link = f"points/{r['point']}/notebook.html"
         wall = "" if r["wall_s"] is None else f"{r['wall_s']:.1f}"
         rows_html.append(
             f"<tr class='{r['status']}'><td><a href='{html.escape(link)}'>{html.escape(r['point'])}</a></td>"
             f"<td>{html.escape(shown)}</td><td>{r['status']}</td><td>{wall}</td>"
-            f"<td>{html.escape(found or (r['error'] or ''))}</td></tr>")
+            f"<td>{html.escape(found or (r['error'] or ''))}</td></tr>"
+        )
     fail_html = "".join(f"<li>{html.escape(r['point'])}: {html.escape(str(r['error']))}</li>" for r in failed)
     body = f"""<!doctype html><meta charset='utf-8'><title>kvlab sweep: {html.escape(study.path.stem)}</title>
 <style>body{{font-family:sans-serif;max-width:1100px;margin:auto}} figure{{display:inline-block;margin:4px}}
 td{{padding:2px 8px;border-bottom:1px solid #ddd;font-size:90%}} tr.failed td{{background:#fee}}</style>
 <h1>kvlab sweep: {html.escape(study.path.name)}</h1>
 <p>Notebook <code>{html.escape(str(study.notebook))}</code>; {len(records)} points, {len(ok)} ok,
-{len(failed)} failed; swept: {html.escape(', '.join(axes) or 'nothing')}. Table: <a href='results.csv'>results.csv</a>.</p>
-{'<h2>Failures</h2><ul>' + fail_html + '</ul>' if failed else ''}
+{len(failed)} failed; swept: {html.escape(", ".join(axes) or "nothing")}. Table: <a href='results.csv'>results.csv</a>.</p>
+{"<h2>Failures</h2><ul>" + fail_html + "</ul>" if failed else ""}
 <h2>Metrics</h2>
-{''.join(figs) or '<p>No metric was recorded by a successful point.</p>'}
+{"".join(figs) or "<p>No metric was recorded by a successful point.</p>"}
 <h2>Points</h2>
 <table><tr><th>report</th><th>parameters</th><th>status</th><th>wall (s)</th><th>records / error</th></tr>
 {chr(10).join(rows_html)}
 </table>
 """
-    return write_atomic(out / "index.html", body)
+    return atomic_write_text(out / "index.html", body)
 
 
 def write_summary(study, out: Path, records: list[dict]) -> None:

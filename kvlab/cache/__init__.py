@@ -1,0 +1,1 @@
+"""Caches: fragments and prefill, merge strategies and their registry, selective recompute, the defects on purpose."""

@@ -1,0 +1,237 @@
+"""``recompute``: re-rotate, then recompute a few tokens at every layer (CacheBlend-style).
+
+Re-rotation gets every key's phase right but cannot give a fragment the attention to
+earlier fragments it never had (the context error). Recomputing the K and V of a few
+chosen tokens, layer by layer, against the merged cache restores part of it, at a cost
+that grows with the number of tokens chosen (CacheBlend recomputes about 15%).
+
+The recompute runs the model's own decoder layers (norms, projections, ``q_norm`` /
+``k_norm``, RoPE from the model's rotary module, MLP) on the chosen tokens only. Each
+layer attends through a stand-in cache object that writes the chosen tokens' fresh K/V
+into their slots of that layer's merged K/V and hands the whole layer back, under a mask
+that lets the token at position ``p`` see slots ``<= p`` (and, on sliding-window layers,
+only slots ``> p - window``). So the chosen tokens see each other's fresh K/V and
+everyone else's re-rotated K/V, as in CacheBlend. With every token chosen this is a
+prefill of the joined tokens; with none it is ``rerotate``.
+
+The algorithm, in the order of the CacheBlend description, as named functions:
+
+0. re-rotate and concatenate the fragments (:class:`kvlab.cache.strategies.KeyRotator`,
+   :func:`kvlab.cache.strategies.concat_layers`);
+1. select the tokens (:meth:`Recompute.select_tokens`; ``deviation`` scores them with
+   :func:`key_deviation`);
+2. give them their positions and mask (:func:`position_embeddings`,
+   :func:`attention_mask`, :func:`layer_inputs`);
+3. run the layers on them (:func:`run_layers`);
+4. write their fresh K/V back (in place, or :func:`write_back` on a sliding layer).
+
+:func:`recompute_tokens` runs steps 2-4; :class:`Decoder` holds the model's parts.
+
+Sliding-window layers keep only the last ``window - 1`` merged tokens. A chosen token
+outside them still runs through every layer (its hidden state feeds the layers that do
+keep it); inside such a layer it attends to the K/V of its window that exist anywhere:
+other chosen tokens' fresh ones and each fragment's own kept tail, re-rotated. Its K/V
+are written back only where the layer keeps its slot.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from transformers import DynamicCache
+
+from kvlab.cache.fragments import Fragment
+from kvlab.cache.recompute.decoder import Decoder
+from kvlab.cache.recompute.inputs import layer_inputs
+from kvlab.cache.recompute.layers import run_layers
+from kvlab.cache.recompute.select import key_deviation
+from kvlab.cache.strategies import KeyRotator, Rerotate, Strategy, concat_layers, register
+from kvlab.errors import MergeError
+from kvlab.models.loaded import LoadedModel
+
+POLICIES = ("deviation", "fragment_start", "random")
+
+
+@register("recompute")
+@dataclass
+class Recompute(Strategy):
+    """Re-rotate, then recompute K/V of a fraction of the tokens at every layer (CacheBlend).
+
+    Parameters
+    ----------
+    ratio : float
+        Fraction of the merged tokens to recompute, in ``[0, 1]``; ``round(ratio * N)``
+        tokens (Python's round, half to even). ``0`` is ``rerotate`` bit for bit, ``1``
+        is a prefill of the joined tokens.
+    policy : str
+        Which tokens: ``deviation`` (CacheBlend: largest squared key deviation between the
+        re-rotated cache and a fresh prefill of the first layers, at ``check_layer``),
+        ``fragment_start`` (the first tokens of each fragment after the first, as evenly
+        as their lengths allow) or ``random`` (a seeded control).
+    check_layer : int, optional
+        Layer whose keys ``deviation`` compares. Default: layer 1, or, when layer 1 is a
+        sliding-window layer that no longer holds every merged token, the first later
+        layer that does (a deviation needs a cached key for every candidate). Every
+        token is prefilled through layers ``0 .. check_layer`` to score it; those fresh
+        K/V only score, they are not written, so the policies differ only in the
+        tokens they pick.
+    seed : int
+        Seed of the ``random`` policy.
+    """
+
+    needs_model: ClassVar[bool] = True
+    ratio: float = 0.15
+    policy: str = "deviation"
+    check_layer: int | None = None
+    seed: int = 0
+
+    def __post_init__(self):
+        r = self.ratio
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or not 0 <= r <= 1:
+            raise MergeError(
+                f"recompute ratio must be a number in [0, 1] (the fraction of tokens recomputed), got {r!r}"
+            )
+        if self.policy not in POLICIES:
+            raise MergeError(f"unknown recompute policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        c = self.check_layer
+        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 0):
+            raise MergeError(f"check_layer must be a layer index >= 0 or None, got {c!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise MergeError(f"seed must be an int, got {self.seed!r}")
+
+    def budget(self, total: int) -> int:
+        """How many of ``total`` merged tokens are recomputed."""
+        return int(round(self.ratio * total))
+
+    def __call__(self, fragments: list[Fragment], landings: list[int], model: LoadedModel) -> DynamicCache:
+        # The steps of CacheBlend, in order: re-rotate and concatenate; select the tokens;
+        # then, layer by layer, give them positions and a mask, run the layer, write back.
+        rotator = KeyRotator(model, fragments, landings)
+        merged = concat_layers(fragments, landings, rotator)
+        total = landings[-1] + fragments[-1].length
+        if self.budget(total) == 0:
+            return merged
+        decoder = Decoder.of(model, fragments, landings)
+        chosen = self.select_tokens(decoder, merged)
+        recompute_tokens(decoder, merged, chosen, rotator)
+        return merged
+
+    def select(self, fragments: list[Fragment], landings: list[int], model: LoadedModel) -> torch.Tensor:
+        """The positions this strategy recomputes for a merge.
+
+        Returns
+        -------
+        torch.Tensor
+            ``[round(ratio * N)]`` int64 merged positions, ascending.
+        """
+        total = landings[-1] + fragments[-1].length
+        if self.budget(total) == 0:
+            return torch.empty(0, dtype=torch.long)
+        merged = Rerotate()(fragments, landings, model) if self.policy == "deviation" else None
+        return self.select_tokens(Decoder.of(model, fragments, landings), merged)
+
+    def select_tokens(self, decoder: Decoder, merged: DynamicCache | None) -> torch.Tensor:
+        """Step 1: which of the ``N`` merged tokens to recompute, by this strategy's policy.
+
+        Parameters
+        ----------
+        decoder : Decoder
+        merged : DynamicCache or None
+            The re-rotated merge, ``[1, kv_heads, kept, head_dim]`` per layer (only the
+            ``deviation`` policy reads it).
+
+        Returns
+        -------
+        torch.Tensor
+            ``[round(ratio * N)]`` int64 merged positions, ascending.
+        """
+        k = self.budget(decoder.total)
+        if k == decoder.total:
+            return torch.arange(decoder.total)
+        if self.policy == "random":
+            g = torch.Generator().manual_seed(self.seed)
+            return torch.randperm(decoder.total, generator=g)[:k].sort().values
+        if self.policy == "fragment_start":
+            return fragment_start_positions([f.length for f in decoder.fragments], decoder.landings, k)
+        layer = self._check_layer(decoder, merged)
+        dev = key_deviation(decoder, merged, layer)
+        # Sorted so the chosen tokens run in position order (any order is exact; this one is cache-friendly).
+        return torch.topk(dev, k).indices.sort().values.cpu()
+
+    def _check_layer(self, decoder: Decoder, merged: DynamicCache) -> int:
+        n_layers, total = len(merged.layers), decoder.total
+
+        def holds_all(li):
+            return merged.layers[li].keys.shape[-2] == total
+
+        if self.check_layer is not None:
+            if self.check_layer >= n_layers:
+                raise MergeError(f"check_layer {self.check_layer} is out of range: the model has {n_layers} layers")
+            if not holds_all(self.check_layer):
+                raise MergeError(
+                    f"check_layer {self.check_layer} is a sliding-window layer holding only the last "
+                    f"{merged.layers[self.check_layer].keys.shape[-2]} of {total} merged tokens, so the others have no "
+                    "cached key to compare; pick a full-attention layer (or leave check_layer unset)"
+                )
+            return self.check_layer
+        for li in range(min(1, n_layers - 1), n_layers):
+            if holds_all(li):
+                return li
+        raise MergeError(
+            f"no layer of this model holds all {total} merged tokens (every layer is sliding-window), so the "
+            "'deviation' policy has nothing to compare; use policy 'fragment_start' or 'random'"
+        )
+
+
+def fragment_start_positions(lengths: list[int], landings: list[int], k: int) -> torch.Tensor:
+    """The first tokens of each fragment after the first, ``k`` in all.
+
+    Every later fragment gets ``min(t, L_j)`` tokens for the smallest ``t`` that reaches
+    ``k``; any excess is taken back from the last fragments. Past the later fragments'
+    total, the first tokens of fragment 0 follow (so ``k = N`` picks every token).
+
+    Returns
+    -------
+    torch.Tensor
+        ``[k]`` int64 merged positions, ascending.
+    """
+    later = list(range(1, len(lengths)))
+    cap = sum(lengths[j] for j in later)
+    take = {j: 0 for j in range(len(lengths))}
+    if k >= cap:
+        take.update({j: lengths[j] for j in later})
+        take[0] = k - cap
+    else:
+        t = 0
+        while sum(min(t, lengths[j]) for j in later) < k:
+            t += 1
+        for j in later:
+            take[j] = min(t, lengths[j])
+        excess = sum(take.values()) - k
+        for j in reversed(later):
+            if excess and take[j] == t:
+                take[j] -= 1
+                excess -= 1
+    pos = [torch.arange(landings[j], landings[j] + take[j]) for j in range(len(lengths))]
+    return torch.cat(pos).sort().values
+
+
+@torch.inference_mode()
+def recompute_tokens(decoder: Decoder, merged: DynamicCache, slots: torch.Tensor, rotator: KeyRotator) -> None:
+    """Steps 2-4: replace, in place, the K/V of the tokens at ``slots`` in every layer of ``merged``.
+
+    Parameters
+    ----------
+    decoder : Decoder
+    merged : DynamicCache
+        The re-rotated merge, ``[1, kv_heads, kept, head_dim]`` per layer; owned by the
+        caller (nothing in it aliases a fragment).
+    slots : torch.Tensor
+        ``[k]`` ascending merged positions, ``k >= 1``.
+    rotator : KeyRotator
+        The merge's key rotator, reused for the fragments' sliding tails.
+    """
+    run_layers(decoder, slots, len(decoder.layers), lambda li: layer_inputs(decoder, merged, li, slots, rotator))

@@ -1,0 +1,1 @@
+"""Cache files: the producer's fingerprint, the on-disk format, and saving and loading against a model."""

@@ -1,0 +1,1 @@
+"""Findings: the seeded evaluation set, answers behind merges, the long-context study, findings as records."""

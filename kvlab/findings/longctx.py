@@ -1,0 +1,195 @@
+"""Long-context merges: phase error by position, and answers against fragment count and offset.
+
+Shared by ``notebooks/07_long_context.ipynb`` (quick defaults) and
+``studies/long_context.py`` (the full scale), so both measure the same thing.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvlab.cache.merge import merge
+from kvlab.cache.recompute.strategy import Recompute
+from kvlab.cache.strategies import Naive, Reprefill, Rerotate, Strategy
+from kvlab.errors import MergeError
+from kvlab.findings.evalset import EvalSet, generate
+from kvlab.findings.qa import ask, passage_fragments
+from kvlab.measure.metrics import phase_error
+from kvlab.measure.references import phase_reference
+from kvlab.measure.stats import CI, mean_ci, paired_diff_ci
+from kvlab.models.loaded import LoadedModel
+
+
+def default_strategies(ratio: float = 0.15, seed: int = 0) -> dict[str, Strategy]:
+    """The four strategies the long-context study compares, labelled for tables."""
+    return {
+        "naive": Naive(),
+        "rerotate": Rerotate(),
+        f"recompute r={ratio:g}": Recompute(ratio=ratio, policy="deviation", seed=seed),
+        "reprefill": Reprefill(),
+    }
+
+
+def token_counter(model: LoadedModel):
+    """``str -> int``: the model's token count of a text (no special tokens)."""
+    return lambda text: len(model.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def make_set(
+    model: LoadedModel,
+    n_fragments: int,
+    fragment_tokens: int,
+    seed: int = 0,
+    people_per_passage: int = 2,
+    max_questions: int | None = None,
+) -> EvalSet:
+    """A generated set whose passages are ``fragment_tokens`` of this model's tokens (at most).
+
+    ``max_questions`` keeps the first questions of the seeded shuffle.
+    """
+    s = generate(seed, n_fragments, fragment_tokens, people_per_passage, count_tokens=token_counter(model))
+    if max_questions is not None:
+        s = EvalSet(s.passages, s.questions[:max_questions], s.seed, s.facts)
+    return s
+
+
+@dataclass
+class PhaseProfile:
+    """Mean phase error per position, for one strategy and one layer type.
+
+    Attributes
+    ----------
+    layer_type : str
+        As the model's rotary module names it (``"full_attention"``, ``"sliding_attention"``;
+        ``"default"`` on a model with one layer type).
+    positions : np.ndarray
+        ``[T]`` positions the layers of this type keep (a sliding layer: the last ``window - 1``).
+    naive, rerotate : np.ndarray
+        ``[T]`` radians: mean over layers of the type, KV heads and rotary pairs of the angle
+        between the merged key pair and the phase reference's.
+    """
+
+    layer_type: str
+    positions: np.ndarray
+    naive: np.ndarray
+    rerotate: np.ndarray
+
+
+def _mean_by_position(phases, layer_type: str) -> tuple[np.ndarray, np.ndarray]:
+    sel = [p for p in phases if p.layer_type == layer_type]
+    pos = sel[0].positions
+    stack = torch.stack([p.angle.double() for p in sel])  # [layers, heads, T, pairs]
+    return pos.numpy(), torch.nanmean(stack.permute(2, 0, 1, 3).reshape(len(pos), -1), dim=1).numpy()
+
+
+def phase_profile(model: LoadedModel, fragments) -> list[PhaseProfile]:
+    """Phase error by position of a naive and a re-rotated merge, per layer type.
+
+    Builds the phase reference (each fragment prefilled alone at its landing position).
+    """
+    ref = phase_reference(model, fragments)
+    naive = phase_error(merge(fragments, "naive", model), ref, model)
+    rer = phase_error(merge(fragments, "rerotate", model), ref, model)
+    out = []
+    for lt in dict.fromkeys(p.layer_type for p in naive):
+        pos, a = _mean_by_position(naive, lt)
+        _, b = _mean_by_position(rer, lt)
+        out.append(PhaseProfile(lt, pos, a, b))
+    return out
+
+
+def run(
+    model: LoadedModel,
+    fragment_counts: list[int],
+    fragment_tokens: int,
+    *,
+    seed: int = 0,
+    people_per_passage: int = 2,
+    max_questions: int | None = None,
+    greedy_tokens: int = 5,
+    ratio: float = 0.15,
+    sets: int = 1,
+    log=None,
+) -> tuple[list[dict], dict]:
+    """Answer generated questions behind every strategy, for each fragment count.
+
+    ``sets`` independent seeded sets (other people, facts, filler) are read per count, so a
+    count's n can grow past the ``3 * people_per_passage * n_fragments`` questions one set holds.
+
+    Returns
+    -------
+    rows : list of dict
+        :func:`kvlab.ask` rows plus ``n_fragments``, ``set``, ``fragment_tokens`` and ``total_tokens``.
+    timings : dict
+        ``n_fragments -> seconds`` of wall time for that configuration (prefill, merges, answers).
+    """
+    rows, timings = [], {}
+    if sets < 1:
+        raise MergeError(f"sets must be >= 1, got {sets}")
+    for k in fragment_counts:
+        t0 = time.perf_counter()
+        n_questions = 0
+        for j in range(sets):
+            # Set 0 keeps the seed the single-set runs (and notebook 07) use.
+            s = make_set(
+                model,
+                k,
+                fragment_tokens,
+                seed=seed + k + 1000 * j,
+                people_per_passage=people_per_passage,
+                max_questions=max_questions,
+            )
+            frags, probes = passage_fragments(model, s)
+            total = sum(f.length for f in frags)
+            for r in ask(
+                model, s, default_strategies(ratio, seed), greedy_tokens=greedy_tokens, fragments=frags, probes=probes
+            ):
+                r.update(n_fragments=k, set=j, fragment_tokens=fragment_tokens, total_tokens=total)
+                rows.append(r)
+            n_questions += len(s.questions)
+        timings[k] = time.perf_counter() - t0
+        if log:
+            log(
+                f"{model.name}: {k} fragments (~{total} tokens), {sets} set(s), {n_questions} questions: {timings[k]:.0f} s"
+            )
+    return rows, timings
+
+
+def summarize(rows: list[dict], by: tuple[str, ...] = ("n_fragments", "strategy"), *, seed: int = 0) -> list[dict]:
+    """Mean and 95% bootstrap CI of ``kl``, ``em`` and ``agree`` for each group of rows.
+
+    Returns
+    -------
+    list of dict
+        The ``by`` keys, ``n``, and ``kl``, ``em``, ``agree``, each a :class:`kvlab.measure.stats.CI`.
+    """
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(tuple(r[k] for k in by), []).append(r)
+    out = []
+    for key, rs in groups.items():
+        row = dict(zip(by, key), n=len(rs))
+        for m in ("kl", "em", "agree"):
+            row[m] = mean_ci([float(r[m]) for r in rs], seed=seed)
+        out.append(row)
+    return out
+
+
+def paired(rows: list[dict], a: str, b: str, metric: str, *, where: dict | None = None, seed: int = 0) -> CI:
+    """CI of ``metric(a) - metric(b)`` over the questions both strategies answered (paired)."""
+    where = where or {}
+
+    def pick(s: str) -> dict:
+        return {
+            (r["n_fragments"], r.get("set", 0), r["question"]): float(r[metric])
+            for r in rows
+            if r["strategy"] == s and all(r[k] == v for k, v in where.items())
+        }
+
+    x, y = pick(a), pick(b)
+    keys = sorted(set(x) & set(y))
+    return paired_diff_ci([x[k] for k in keys], [y[k] for k in keys], seed=seed)

@@ -1,0 +1,1 @@
+"""The lab: the merge explorer, figures, the notebook kernel and papermill reports."""

@@ -1,0 +1,1 @@
+"""Measures: the two references, ``Case``, K/V and phase errors, KL and fidelity, the mismatch study, statistics."""

@@ -1,0 +1,223 @@
+"""``kvlab.fidelity``: how close a merged cache comes to the joined prefill, downstream.
+
+Three measures on a set of probe texts read behind each cache: the next-token KL and
+top-1 agreement (:func:`kvlab.measure.metrics.next_token_kl`), and the agreement of greedy
+continuations, each continued from its own cache. When given a strategy rather than a
+cache, the merge is run and its wall time recorded too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from transformers import DynamicCache
+
+from kvlab.cache.fragments import Fragment
+from kvlab.cache.merge import merge, resolve
+from kvlab.cache.strategies import Strategy
+from kvlab.errors import MergeError
+from kvlab.measure.case import Case, FidelityReference
+from kvlab.measure.metrics import kl_row
+from kvlab.measure.references import context_reference, read_probe
+from kvlab.models.loaded import LoadedModel
+
+
+@dataclass
+class Fidelity:
+    """Downstream agreement of one merged cache with the joined prefill.
+
+    Attributes
+    ----------
+    strategy : str or None
+        Strategy name (``None`` when a ready cache was measured).
+    options : dict
+        Options the strategy was built with (its dataclass fields).
+    kl_mean, kl_max : float
+        ``KL(p_joined || p_merged)`` of the next token after each probe, in nats.
+    top1 : float
+        Fraction of probes whose most likely next token agrees.
+    greedy_agree : float
+        Fraction of the ``greedy_tokens`` positions, over all probes, where the greedy
+        continuation from the merged cache has the same token as the one from the
+        joined prefill (each continued from its own cache, so a flip can propagate).
+    greedy_prefix : float
+        Mean fraction of the continuation before the first disagreement.
+    greedy_tokens : int
+        Tokens generated per probe.
+    merge_s : float or None
+        Wall time of the merge in seconds (``None`` when a ready cache was measured).
+    probes : list of dict
+        Per probe: ``probe``, ``kl``, ``top1_ref``, ``top1``, ``agree`` (as
+        :func:`kvlab.measure.metrics.next_token_kl`), ``greedy_ref``, ``greedy`` (decoded text).
+    """
+
+    strategy: str | None
+    options: dict
+    kl_mean: float
+    kl_max: float
+    top1: float
+    greedy_agree: float
+    greedy_prefix: float
+    greedy_tokens: int
+    merge_s: float | None
+    probes: list[dict] = field(default_factory=list, repr=False)
+
+    def row(self) -> dict:
+        """One flat table row: the summary fields, options inlined, no per-probe detail."""
+        out = {"strategy": self.strategy, **self.options}
+        out.update(
+            kl_mean=self.kl_mean,
+            kl_max=self.kl_max,
+            top1=self.top1,
+            greedy_agree=self.greedy_agree,
+            greedy_prefix=self.greedy_prefix,
+            greedy_tokens=self.greedy_tokens,
+            merge_s=self.merge_s,
+        )
+        return out
+
+
+def merge_times(
+    model: LoadedModel,
+    fragments: list[Fragment],
+    strategy: str | Strategy,
+    *,
+    repeats: int = 5,
+    warmup: int = 1,
+    **options,
+) -> list[float]:
+    """Wall times in seconds of ``repeats`` merges, after ``warmup`` untimed ones.
+
+    A first call pays one-time costs (allocator growth, rotation tables, lazy imports) that
+    are not the strategy's; a single cold timing of a 10 ms merge can come out slower than a
+    1 s prefill. Use these, not :attr:`Fidelity.merge_s`, for cost comparisons: their median
+    is the cost to report, their minimum the one to compare when other work shares the
+    machine, since preemption only ever adds time (a 10 ms merge hit by one 10 ms time slice
+    doubles).
+    """
+    if repeats < 1 or warmup < 0:
+        raise MergeError(f"merge timing needs repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
+    strat = resolve(strategy, **options)
+    for _ in range(warmup):
+        merge(fragments, strat, model)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        merge(fragments, strat, model)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def merge_seconds(
+    model: LoadedModel,
+    fragments: list[Fragment],
+    strategy: str | Strategy,
+    *,
+    repeats: int = 5,
+    warmup: int = 1,
+    stat: str = "median",
+    **options,
+) -> float:
+    """Warm wall time of one merge: the median (or ``stat="min"``) of :func:`merge_times`."""
+    if stat not in ("median", "min"):
+        raise MergeError(f"merge_seconds stat must be 'median' or 'min', got {stat!r}")
+    times = merge_times(model, fragments, strategy, repeats=repeats, warmup=warmup, **options)
+    return statistics.median(times) if stat == "median" else min(times)
+
+
+def fidelity(
+    model: LoadedModel,
+    fragments: list[Fragment],
+    merged: DynamicCache | str | Strategy = "rerotate",
+    *,
+    probes: list[str],
+    greedy_tokens: int = 16,
+    reference: DynamicCache | FidelityReference | Case | None = None,
+    **options,
+) -> Fidelity:
+    """Measure a merged cache, or a strategy's merge, against the joined prefill.
+
+    Parameters
+    ----------
+    model : LoadedModel
+    fragments : list of Fragment
+        What is merged; their source tokens give the joined-prefill reference.
+    merged : DynamicCache, str or Strategy
+        A ready cache (slot ``j`` = position ``j``, keys/values ``[1, kv_heads, kept,
+        head_dim]``), or a strategy to run through :func:`kvlab.merge` (timed).
+    probes : list of str
+        Texts read behind each cache; their next token and continuation are compared.
+    greedy_tokens : int
+        Length of each greedy continuation (``0`` skips them).
+    reference : DynamicCache, FidelityReference or Case, optional
+        The joined prefill, when already at hand (it is never modified); a
+        :class:`FidelityReference`, or a :class:`kvlab.Case` of these fragments (its
+        ``reference``), also keeps its probe readings across calls.
+    **options
+        Passed to the strategy (``ratio=``, ``policy=`` ...); not allowed with a cache.
+
+    Returns
+    -------
+    Fidelity
+    """
+    if not probes:
+        raise MergeError("fidelity needs at least one probe text")
+    if greedy_tokens < 0:
+        raise MergeError(f"greedy_tokens must be >= 0, got {greedy_tokens}")
+    merge_s, name, opts = None, None, {}
+    if isinstance(merged, DynamicCache):
+        if options:
+            raise MergeError("strategy options were given with a ready cache; pass a strategy name instead")
+        cache = merged
+    else:
+        strat = resolve(merged, **options)
+        t0 = time.perf_counter()
+        cache = merge(fragments, strat, model)
+        merge_s = time.perf_counter() - t0
+        name = strat.name
+        # Every field, defaults included, so rows of one strategy line up in a table.
+        opts = (
+            {f.name: getattr(strat, f.name) for f in dataclasses.fields(strat)}
+            if dataclasses.is_dataclass(strat)
+            else {}
+        )
+    if isinstance(reference, Case):
+        reference = reference.reference
+    if not isinstance(reference, FidelityReference):
+        reference = FidelityReference(
+            model, reference if reference is not None else context_reference(model, fragments)
+        )
+    if cache.get_seq_length() != reference.cache.get_seq_length():
+        raise MergeError(
+            f"the merged cache holds {cache.get_seq_length()} tokens, "
+            f"the joined prefill {reference.cache.get_seq_length()}"
+        )
+    rows = []
+    agree = prefix = 0.0
+    for probe in probes:
+        lp, want = reference.read(probe, greedy_tokens)
+        lq, got = read_probe(model, cache, probe, greedy_tokens)
+        row = kl_row(model, probe, lp, lq)
+        rows.append(row)
+        if greedy_tokens:
+            same = [a == b for a, b in zip(want, got)]
+            agree += sum(same) / greedy_tokens
+            prefix += (same.index(False) if False in same else greedy_tokens) / greedy_tokens
+            row["greedy_ref"], row["greedy"] = model.tokenizer.decode(want), model.tokenizer.decode(got)
+    n = len(rows)
+    kls = [r["kl"] for r in rows]
+    return Fidelity(
+        strategy=name,
+        options=opts,
+        kl_mean=sum(kls) / n,
+        kl_max=max(kls),
+        top1=sum(r["agree"] for r in rows) / n,
+        greedy_agree=agree / n if greedy_tokens else float("nan"),
+        greedy_prefix=prefix / n if greedy_tokens else float("nan"),
+        greedy_tokens=greedy_tokens,
+        merge_s=merge_s,
+        probes=rows,
+    )

@@ -1,0 +1,65 @@
+"""The rows of ``kvlab models``: geometry and rope of every model, without converting any."""
+
+from __future__ import annotations
+
+from kvlab.models.gguf import GGUF_MODELS, converted_dir
+from kvlab.models.loaded import quiet_transformers
+from kvlab.models.rope import layer_types
+from kvlab.models.tiny import TINY_CONFIGS
+
+
+def model_names() -> list[str]:
+    """Every catalogue name: the real GGUF models, then the tiny seeded ones."""
+    return list(GGUF_MODELS) + list(TINY_CONFIGS)
+
+
+def _rope_summary(config) -> str:
+    params = config.rope_parameters
+    if all(isinstance(v, dict) for v in params.values()):
+        return ", ".join(
+            f"{lt.split('_')[0]}:{p.get('rope_type', 'default')} {p.get('rope_theta'):g}" for lt, p in params.items()
+        )
+    extra = params.get("partial_rotary_factor")
+    s = f"{params.get('rope_type', 'default')} {params.get('rope_theta'):g}"
+    return s + (f" partial {extra:g}" if extra not in (None, 1.0) else "")
+
+
+def _row(name: str, config, cached: str) -> dict:
+    kinds = sorted(set(layer_types(config)))
+    return {
+        "name": name,
+        "family": config.model_type,
+        "layers": config.num_hidden_layers,
+        "kv_heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        "head_dim": getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+        "rope": _rope_summary(config)
+        + ("" if kinds == ["default"] else f" [{'/'.join(k.split('_')[0] for k in kinds)}]"),
+        "cached": cached,
+    }
+
+
+def model_rows() -> list[dict]:
+    from transformers import AutoConfig
+
+    rows = []
+    for name, spec in GGUF_MODELS.items():
+        folder = converted_dir(name)
+        if folder is not None:
+            config = AutoConfig.from_pretrained(folder, local_files_only=True)
+            rows.append(_row(name, config, "yes"))
+        else:
+            rows.append(
+                {
+                    "name": name,
+                    "family": spec.family,
+                    "layers": "?",
+                    "kv_heads": "?",
+                    "head_dim": "?",
+                    "rope": f"(not converted yet; needs {spec.package})",
+                    "cached": "no",
+                }
+            )
+    with quiet_transformers():
+        for name, (_, factory) in TINY_CONFIGS.items():
+            rows.append(_row(name, factory(), "built"))
+    return rows

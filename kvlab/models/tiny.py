@@ -1,0 +1,137 @@
+"""Tiny random-weight models built from seeded configs, with no files at all.
+
+They cover the rotary variants the two real models lack, so that every re-rotation
+path is tested against a real forward pass of the matching architecture.
+"""
+
+from __future__ import annotations
+
+import torch
+import transformers as tf
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+#: 256 byte tokens, then BOS and EOS.
+BYTE_VOCAB = 256
+BOS_ID, EOS_ID = 256, 257
+VOCAB_SIZE = 260
+TINY_SEED = 1234
+
+_COMMON = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    max_position_embeddings=1024,
+    bos_token_id=BOS_ID,
+    eos_token_id=EOS_ID,
+    pad_token_id=EOS_ID,
+)
+_GQA = dict(_COMMON, num_key_value_heads=2)
+
+
+def _llama(rope: dict) -> tf.PretrainedConfig:
+    return tf.LlamaConfig(**_GQA, rope_parameters=rope)
+
+
+#: name -> (description, config factory). Each factory returns a fresh config.
+TINY_CONFIGS = {
+    "tiny-llama": ("Llama, default RoPE", lambda: _llama({"rope_type": "default", "rope_theta": 10000.0})),
+    "tiny-qwen2": (
+        "Qwen2, k/v projection bias",
+        lambda: tf.Qwen2Config(**_GQA, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    ),
+    "tiny-gemma3": (
+        "Gemma 3, hybrid sliding (window 8, base 1e4) / full (base 1e6), k_norm",
+        lambda: tf.Gemma3TextConfig(
+            **dict(_GQA, num_hidden_layers=4),
+            head_dim=16,
+            sliding_window=8,
+            layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+        ),
+    ),
+    "tiny-gptneox": (
+        "GPT-NeoX, rotary_pct 0.25 (partial rotary)",
+        lambda: tf.GPTNeoXConfig(**_COMMON, rotary_pct=0.25),
+    ),
+    "tiny-phi": ("Phi, partial_rotary_factor 0.5", lambda: tf.PhiConfig(**_GQA, partial_rotary_factor=0.5)),
+    "tiny-llama3": (
+        "Llama 3 rope scaling",
+        lambda: _llama(
+            {
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        ),
+    ),
+    "tiny-yarn": (
+        "YaRN (attention_scaling != 1)",
+        lambda: _llama(
+            {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 256}
+        ),
+    ),
+    "tiny-longrope": (
+        "Phi-3 longrope, switch at 64 positions",
+        lambda: tf.Phi3Config(
+            **_GQA,
+            original_max_position_embeddings=64,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": [1.0 + 0.05 * i for i in range(8)],
+                "long_factor": [2.0 + 0.5 * i for i in range(8)],
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    ),
+    "tiny-dynamic": (
+        "Llama, dynamic NTK rope",
+        lambda: _llama({"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}),
+    ),
+}
+
+
+def byte_tokenizer() -> tf.PreTrainedTokenizerFast:
+    """A byte-level tokenizer (one token per UTF-8 byte) that needs no files."""
+    # ByteLevel maps each byte to a printable stand-in; give each stand-in its byte value as id.
+    byte_to_char = _bytes_to_unicode()
+    vocab = {byte_to_char[b]: b for b in range(256)}
+    vocab["<bos>"] = BOS_ID
+    vocab["<eos>"] = EOS_ID
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return tf.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<eos>")
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    # GPT-2's reversible byte -> printable character map, which ByteLevel uses.
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def build_tiny(name: str, dtype: torch.dtype = torch.float32):
+    """Build a tiny model with seeded random weights.
+
+    Returns
+    -------
+    (model, tokenizer, config)
+    """
+    _, factory = TINY_CONFIGS[name]
+    config = factory()
+    # Seed from the name too, so two families never share weights by accident.
+    torch.manual_seed(TINY_SEED + sum(name.encode()))
+    model = tf.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.eval()
+    return model, byte_tokenizer(), model.config

@@ -1,0 +1,200 @@
+"""kvlab.peers: llama.cpp beside kvlab on the same GGUF file.
+
+`make test` installs the `peers` extra, so in CI (CI=true) these tests run and fail when
+llama-cpp-python is missing; elsewhere they skip with the install command.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import GEMMA_MISSING, GEMMA_REASON, IN_CI, missing, tiny
+
+import kvlab
+from kvlab import peers
+from kvlab.measure.metrics import kl_divergence
+from kvlab.peers import llama_cpp as glue
+
+# In CI (`make test` installs the extra) a missing llama-cpp-python fails these tests instead.
+needs_llama = pytest.mark.skipif(
+    not glue.available() and not IN_CI, reason="llama-cpp-python not installed: " + glue.INSTALL_HINT
+)
+
+TEXTS = [
+    "The lighthouse keeper on Skerry Island logged every passing ship in a blue ledger.",
+    " His daughter Maren later moved the ledger to the harbour museum in Bergen.",
+]
+PROBES = [" The ledger is now kept in the city of", " Maren was the keeper's"]
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2):
+    with peers.engine_for(smollm2, n_ctx=1024, n_seq_max=2) as eng:
+        yield eng
+
+
+def ids_of(model, text, bos=False):
+    return kvlab.tokenize(model, text, bos=bos)
+
+
+# ----------------------------------------------------------------------------- clear errors
+
+
+def test_a_wrong_gguf_path_is_a_clear_error(tmp_path):
+    with pytest.raises(kvlab.PeerError, match="no GGUF file at .*missing.gguf: the path does not exist"):
+        peers.LlamaEngine(tmp_path / "missing.gguf")
+    with pytest.raises(kvlab.PeerError, match="is not a file"):
+        peers.LlamaEngine(tmp_path)
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(b"PK\x03\x04 a zip, not a model")
+    with pytest.raises(kvlab.PeerError, match=r"fake.gguf is not a GGUF file: it starts with b'PK\\x03\\x04'"):
+        peers.LlamaEngine(fake)
+    with pytest.raises(kvlab.ModelError, match="no GGUF file at"):
+        kvlab.load_gguf_file(tmp_path / "missing.gguf")
+
+
+def test_a_missing_extra_says_how_to_install_it(monkeypatch):
+    monkeypatch.setattr(glue, "_LIB", None)
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # what an absent package looks like to import
+    with pytest.raises(kvlab.PeerError, match=r"pip install -e '\.\[peers\]'.*make peers"):
+        glue.lib()
+    path = peers.gguf_path("smollm2-135m")
+    with pytest.raises(kvlab.PeerError, match="need the `peers` extra"):
+        peers.LlamaEngine(path)
+
+
+def test_kvlab_never_imports_llama_cpp_until_asked():
+    code = "import sys, kvlab, kvlab.peers; assert 'llama_cpp' not in sys.modules, 'imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+
+
+def test_a_model_kvlab_cannot_map_is_a_clear_error():
+    with pytest.raises(kvlab.PeerError, match="cannot map 'tiny-gemma3' to llama.cpp: tiny models .* no GGUF file"):
+        peers.gguf_path("tiny-gemma3")
+    with pytest.raises(kvlab.PeerError, match="cannot map 'tiny-llama'"):
+        peers.engine_for(tiny("tiny-llama"))
+    with pytest.raises(kvlab.PeerError, match="cannot map 'gpt-7' to llama.cpp: unknown model"):
+        peers.gguf_path("gpt-7")
+
+
+@needs_llama
+def test_vocabularies_must_agree(engine):
+    with pytest.raises(kvlab.PeerError, match="vocabularies differ: kvlab's tiny-llama has .* llama.cpp's SmolLM2"):
+        peers.check_vocab(tiny("tiny-llama"), engine)
+    with pytest.raises(kvlab.PeerError, match=f"token id {engine.n_vocab} is outside llama.cpp's vocabulary"):
+        engine.decode([1, engine.n_vocab])
+
+
+@needs_llama
+def test_llama_cpp_refusals_carry_its_reason(engine, smollm2):
+    engine.prefill(ids_of(smollm2, TEXTS[0], bos=True))
+    at = engine.pos_max(0)
+    # Positions must follow on from the sequence's maximum; llama.cpp says why it refuses.
+    with pytest.raises(kvlab.PeerError, match=r"refused to decode .* at position 5 .*: .*(pos|position)"):
+        engine.decode([42], 0, 5)
+    assert engine.pos_max(0) == at  # nothing was appended
+
+
+# ----------------------------------------------------------------------------- merges
+
+
+@needs_llama
+def test_one_fragment_shifted_by_zero_is_its_prefill(engine, smollm2):
+    ids = ids_of(smollm2, TEXTS[0], bos=True)
+    probe = ids_of(smollm2, PROBES[0])
+    engine.prefill(ids)
+    want = engine.read(probe)
+    assert engine.shift_merge([ids]) == len(ids)
+    assert torch.equal(engine.read(probe), want)
+
+
+@needs_llama
+def test_shift_merge_has_the_phase_right_and_the_context_wrong(engine, smollm2):
+    ids = [ids_of(smollm2, TEXTS[0], bos=True), ids_of(smollm2, TEXTS[1])]
+    probe = ids_of(smollm2, PROBES[0])
+    engine.prefill(torch.cat(ids))
+    joined = engine.read(probe)
+    assert engine.shift_merge(ids) == sum(map(len, ids))
+    assert engine.pos_min(0) == 0 and engine.pos_max(1) == -1  # all in sequence 0, sequence 1 emptied
+    shifted = engine.read(probe)
+    engine.phase_merge(ids)
+    phase = engine.read(probe)
+    # Against the fragment decoded at its landing positions the K-shift differs by the rounding
+    # of rotated f16 keys, which the 8-bit activations of the Q4_1 file amplify (measured
+    # 3.2e-3); against the joined prefill both lack fragment 1's context (measured 0.46).
+    assert kl_divergence(joined, shifted) > 20 * kl_divergence(phase, shifted)
+    assert kl_divergence(joined, phase) > 1e-2
+    # With the dequantised weights (an F32 copy) only the f16 rounding is left (measured 1e-6).
+    with peers.LlamaEngine(peers.requantize(engine.path, "F32"), n_ctx=1024, n_seq_max=2) as f32:
+        f32.shift_merge(ids)
+        shifted32 = f32.read(probe)
+        f32.phase_merge(ids)
+        assert kl_divergence(f32.read(probe), shifted32) < 1e-4
+
+
+@needs_llama
+def test_merge_side_by_side_rows(smollm2):
+    rows = {(r.engine, r.method, r.reference): r for r in peers.merge_side_by_side(smollm2, TEXTS, PROBES)}
+    shift = rows[("llama.cpp", "shift", "joined")]
+    rerotate = rows[("kvlab", "rerotate", "joined")]
+    assert len(shift.kls) == len(PROBES) and all(k >= 0 for k in shift.kls)
+    # Both engines lose the same cross-fragment context: same order of magnitude.
+    assert 0.2 < shift.kl_mean / rerotate.kl_mean < 5
+    assert rows[("kvlab", "naive", "joined")].kl_mean > rerotate.kl_mean
+
+
+# ----------------------------------------------------------------------------- conversion, state files
+
+
+@needs_llama
+def test_conversion_fidelity_is_small_but_finite(smollm2):
+    conv = peers.conversion_fidelity(smollm2, peers.CONVERSION_PROBES[:4])
+    assert conv.n == 4 and conv.same_ids == 1.0
+    # Not zero: llama.cpp multiplies 4-bit weights with 8-bit-rounded activations and keeps an
+    # f16 cache; kvlab runs the dequantised weights in fp32. Measured mean 0.004-0.008 nats.
+    assert 1e-5 < conv.kl_mean < 0.05, conv
+    assert conv.top1 >= 0.75
+
+
+@needs_llama
+def test_state_files_round_trip_exactly(engine, smollm2, tmp_path):
+    ids = ids_of(smollm2, TEXTS[0], bos=True)
+    probe = ids_of(smollm2, PROBES[1])
+    engine.prefill(ids)
+    want = engine.read(probe)
+    state = engine.save_state(tmp_path / "a.state", ids)
+    seq = engine.save_seq_state(tmp_path / "a.seq", ids)
+    assert not list(tmp_path.glob(".*"))  # written under a temporary name, then renamed
+    engine.clear()
+    assert engine.load_state(state) == ids.tolist()
+    assert torch.equal(engine.read(probe), want)
+    engine.clear()
+    assert engine.load_seq_state(seq) == ids.tolist()
+    assert torch.equal(engine.read(probe), want)
+    with pytest.raises(kvlab.PeerError, match="no state file at"):
+        engine.load_state(tmp_path / "nope.state")
+    (tmp_path / "junk.state").write_bytes(b"\0" * 64)
+    with pytest.raises(kvlab.PeerError, match="refused the state file junk.state: .*magic"):
+        engine.load_state(tmp_path / "junk.state")
+
+
+@needs_llama
+def test_llama_cpp_accepts_a_requantisation_and_refuses_another_architecture(smollm2, tmp_path):
+    if GEMMA_MISSING:
+        missing(GEMMA_REASON)
+    src = peers.gguf_path("smollm2-135m")
+    q40 = peers.requantize(src, "Q4_0")
+    assert q40 == peers.requantize(src, "Q4_0")  # kept, not redone
+    rows = peers.state_file_study(
+        smollm2, TEXTS[0], PROBES, {"same": src, "q4_0": q40, "gemma3": peers.gguf_path("gemma3-270m")}, tmp_path
+    )
+    by = {(r.reader, r.file): r for r in rows}
+    assert by[("same", "state")].accepted and by[("same", "state")].kls == [0.0] * len(PROBES)
+    assert by[("q4_0", "state")].accepted and by[("q4_0", "seq")].accepted  # nothing in the file names its weights
+    assert by[("q4_0", "state")].kl_mean > 1e-3
+    assert not by[("gemma3", "state")].accepted and "wrong model arch" in by[("gemma3", "state")].said
+    assert not by[("gemma3", "seq")].accepted
