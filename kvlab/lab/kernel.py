@@ -58,4 +58,3 @@ def install(prefix: str = sys.prefix) -> Path:
     spec["argv"] = [a for a in spec["argv"] if a not in KERNEL_ARGS] + KERNEL_ARGS
     atomic_write_text(folder / "kernel.json", json.dumps(spec, indent=1) + "\n")
     return folder
-

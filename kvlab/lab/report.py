@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import base64
 import datetime
-import html
 import io
 import json
 import os
@@ -27,6 +26,7 @@ from pathlib import Path
 from kvlab.atomic import atomic_path, atomic_write_text
 from kvlab.errors import ReportError
 from kvlab.lab.kernel import kernel_name
+from kvlab.lab.pages import render
 
 NOTEBOOK_DIR = Path(__file__).resolve().parents[2] / "notebooks"
 #: Width in pixels of the figure thumbnails on the index page.
@@ -298,40 +298,11 @@ table.meta td:first-child{color:#555}
 
 def index_page(meta: dict, runs: list[NotebookRun], no_input: bool = False) -> str:
     """The report's index page (HTML) from its metadata and notebook runs."""
-    e = html.escape
     n_fail = sum(not r.ok for r in runs)
     summary = (
         f"{len(runs) - n_fail} of {len(runs)} notebooks passed"
         + (f", {n_fail} failed" if n_fail else "")
         + (" · code hidden (--no-input)" if no_input else "")
     )
-    rows = [
-        (
-            "model" + ("s" if len(meta["models"]) > 1 else ""),
-            "<br>".join(f"{e(m)} <span class='time'>weights sha256 {e(d)}…</span>" for m, d in meta["models"].items()),
-        )
-    ]
-    rows += [(k, e(str(v))) for k, v in meta.items() if k != "models"]
-    table = "\n".join(f"<tr><td>{k}</td><td>{v}</td></tr>" for k, v in rows)
-    cards = []
-    for r in runs:
-        status = "pass" if r.ok else "fail"
-        links = f"<a href='{e(r.name)}.html'>report</a> · <a href='{e(r.name)}.ipynb'>notebook</a>"
-        err = "" if r.ok else f"<p class='label'>Error</p><pre class='err'>{e(r.error)}</pre>"
-        fig = (
-            f"<a href='{e(r.name)}.html'><img src='{e(r.thumbnail)}' alt='key figure of {e(r.name)}'></a>"
-            if r.thumbnail
-            else "<p class='time'>(no figure)</p>"
-        )
-        cards.append(
-            f"<section class='nb {status}'><div><h2><span class='mark'>{'✓ passed' if r.ok else '✗ failed'}</span>"
-            f"{e(r.name)}</h2><p class='time'>{r.seconds:.0f} s · {links}</p>"
-            f"<p><span class='label'>Question.</span> {e(r.question)}</p>"
-            f"<p><span class='label'>Finding.</span> {e(r.finding)}</p>{err}</div><div>{fig}</div></section>"
-        )
-    return (
-        f"<!doctype html><html lang='en'><meta charset='utf-8'><title>kvlab report</title><style>{_CSS}</style>"
-        f"<h1>kvlab report</h1><p class='sub'>{e(summary)}</p><table class='meta'>{table}</table>\n"
-        + "\n".join(cards)
-        + "\n</html>\n"
-    )
+    rest = {k: str(v) for k, v in meta.items() if k != "models"}
+    return render("report_index.html", css=_CSS, summary=summary, models=meta["models"], meta=rest, runs=runs)

@@ -9,13 +9,13 @@ parameters, CI error bars where the record has one) and links every point's repo
 from __future__ import annotations
 
 import csv
-import html
 import io
 import json
 import math
 from pathlib import Path
 
 from kvlab.atomic import atomic_path, atomic_write_text
+from kvlab.lab.pages import render
 
 COLUMNS_TAIL = [
     "metric",
@@ -157,39 +157,36 @@ def write_index(out: Path, study, records: list[dict]) -> Path:
                 continue
             name = f"{metric}__{axis}.png".replace("/", "-")
             _plot(plots_dir / name, metric, unit, axis, [a for a in axes if a != axis], pts)
-            figs.append(
-                f"<figure><img src='plots/{html.escape(name)}' alt='{html.escape(metric)} vs "
-                f"{html.escape(axis)}'></figure>"
-            )
+            figs.append({"file": name, "metric": metric, "axis": axis})
     failed = [r for r in records if r["status"] != "ok"]
-    rows_html = []
+    rows = []
     for r in records:
         shown = ", ".join(
             f"{k}={json.dumps(r['parameters'].get(k, r['repeat'] if k == 'repeat' else None))[:40]}" for k in axes
         )
         found = "; ".join(f"{m['name']} = {m['value']}{(' ' + m['unit']) if m['unit'] else ''}" for m in r["records"])
-        link = f"points/{r['point']}/notebook.html"
-        wall = "" if r["wall_s"] is None else f"{r['wall_s']:.1f}"
-        rows_html.append(
-            f"<tr class='{r['status']}'><td><a href='{html.escape(link)}'>{html.escape(r['point'])}</a></td>"
-            f"<td>{html.escape(shown)}</td><td>{r['status']}</td><td>{wall}</td>"
-            f"<td>{html.escape(found or (r['error'] or ''))}</td></tr>"
+        rows.append(
+            {
+                "status": r["status"],
+                "point": r["point"],
+                "link": f"points/{r['point']}/notebook.html",
+                "shown": shown,
+                "wall": "" if r["wall_s"] is None else f"{r['wall_s']:.1f}",
+                "found": found or (r["error"] or ""),
+            }
         )
-    fail_html = "".join(f"<li>{html.escape(r['point'])}: {html.escape(str(r['error']))}</li>" for r in failed)
-    body = f"""<!doctype html><meta charset='utf-8'><title>kvlab sweep: {html.escape(study.path.stem)}</title>
-<style>body{{font-family:sans-serif;max-width:1100px;margin:auto}} figure{{display:inline-block;margin:4px}}
-td{{padding:2px 8px;border-bottom:1px solid #ddd;font-size:90%}} tr.failed td{{background:#fee}}</style>
-<h1>kvlab sweep: {html.escape(study.path.name)}</h1>
-<p>Notebook <code>{html.escape(str(study.notebook))}</code>; {len(records)} points, {len(ok)} ok,
-{len(failed)} failed; swept: {html.escape(", ".join(axes) or "nothing")}. Table: <a href='results.csv'>results.csv</a>.</p>
-{"<h2>Failures</h2><ul>" + fail_html + "</ul>" if failed else ""}
-<h2>Metrics</h2>
-{"".join(figs) or "<p>No metric was recorded by a successful point.</p>"}
-<h2>Points</h2>
-<table><tr><th>report</th><th>parameters</th><th>status</th><th>wall (s)</th><th>records / error</th></tr>
-{chr(10).join(rows_html)}
-</table>
-"""
+    body = render(
+        "sweep_index.html",
+        study_stem=study.path.stem,
+        study_name=study.path.name,
+        notebook=str(study.notebook),
+        n_points=len(records),
+        n_ok=len(ok),
+        failed=[{"point": r["point"], "error": str(r["error"])} for r in failed],
+        axes=axes,
+        figures=figs,
+        rows=rows,
+    )
     return atomic_write_text(out / "index.html", body)
 
 
