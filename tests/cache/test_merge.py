@@ -6,10 +6,10 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import assert_unchanged, snapshot, tiny
 from transformers import DynamicCache
 
 import kvlab
+from conftest import assert_unchanged, snapshot, tiny
 from kvlab.cache import repro
 from kvlab.measure.references import phase_reference
 

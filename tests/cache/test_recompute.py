@@ -12,9 +12,9 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import assert_unchanged, snapshot, tiny
 
 import kvlab
+from conftest import assert_unchanged, snapshot, tiny
 from kvlab.cache.recompute.strategy import POLICIES, Recompute, fragment_start_positions
 from kvlab.measure.case import DEFAULT_PROBES, DEFAULT_TEXTS
 from kvlab.measure.fidelity import Fidelity, fidelity

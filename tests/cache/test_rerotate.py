@@ -6,11 +6,11 @@ import math
 
 import pytest
 import torch
-from conftest import tiny
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvlab
+from conftest import tiny
 from kvlab.measure.metrics import kv_diff
 from kvlab.measure.references import phase_reference
 from kvlab.models.rope import layer_ropes, rotate_keys

@@ -7,10 +7,10 @@ import struct
 
 import pytest
 import torch
-from conftest import tiny
 from safetensors.torch import save_file
 
 import kvlab
+from conftest import tiny
 from kvlab.errors import CacheFileError
 from kvlab.files import format as cacheformat
 

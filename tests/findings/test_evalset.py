@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import tiny
 
 import kvlab
+from conftest import tiny
 from kvlab.errors import StatsError
 from kvlab.findings import evalset as E
 from kvlab.measure.stats import CI, mean_ci, paired_diff_ci

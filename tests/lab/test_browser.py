@@ -34,6 +34,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
 from conftest import missing
 
 ROOT = Path(__file__).resolve().parents[2]

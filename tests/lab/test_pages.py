@@ -29,13 +29,28 @@ def test_report_index_escapes_every_field():
 
 
 def test_sweep_index_escapes_every_field(tmp_path):
-    study = Study(path=Path("s<1>.toml"), notebook=Path("nb&.ipynb"), output=tmp_path, timeout=None, points=[],
-                  axes=["offset"])
+    study = Study(
+        path=Path("s<1>.toml"), notebook=Path("nb&.ipynb"), output=tmp_path, timeout=None, points=[], axes=["offset"]
+    )
     records = [
-        {"status": "ok", "point": "p<0>", "parameters": {"offset": EVIL}, "repeat": 0, "wall_s": 1.25,
-         "records": [{"name": "kl", "value": 0.5, "unit": "nats", "ci_low": None, "ci_high": None}], "error": None},
-        {"status": "failed", "point": "p1", "parameters": {"offset": 4}, "repeat": 0, "wall_s": None,
-         "records": [], "error": EVIL},
+        {
+            "status": "ok",
+            "point": "p<0>",
+            "parameters": {"offset": EVIL},
+            "repeat": 0,
+            "wall_s": 1.25,
+            "records": [{"name": "kl", "value": 0.5, "unit": "nats", "ci_low": None, "ci_high": None}],
+            "error": None,
+        },
+        {
+            "status": "failed",
+            "point": "p1",
+            "parameters": {"offset": 4},
+            "repeat": 0,
+            "wall_s": None,
+            "records": [],
+            "error": EVIL,
+        },
     ]
     page = write_index(tmp_path, study, records).read_text()
     assert "<script>" not in page and "s&lt;1&gt;.toml" in page and "nb&amp;.ipynb" in page

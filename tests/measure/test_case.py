@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-from conftest import tiny
 
 import kvlab
+from conftest import tiny
 from kvlab.measure import references
 from kvlab.measure.case import DEFAULT_PROBES, Case
 

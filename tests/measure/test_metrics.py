@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 
 import torch
-from conftest import tiny
 
 import kvlab
+from conftest import tiny
 from kvlab.measure.metrics import (
     kv_diff,
     layer_position_grid,

@@ -11,9 +11,9 @@ import types
 from pathlib import Path
 
 import pytest
-from conftest import tiny
 
 import kvlab
+from conftest import tiny
 from kvlab.models import gguf as models
 from kvlab.models.catalog import model_rows
 from kvlab.models.rope import layer_ropes

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 import transformers as tf
-from conftest import assert_unchanged, snapshot, tiny
 
 import kvlab
+from conftest import assert_unchanged, snapshot, tiny
 from kvlab.models.tiny import _COMMON as COMMON
 from kvlab.models.tiny import TINY_CONFIGS, TINY_SEED, VOCAB_SIZE, byte_tokenizer
 

@@ -12,9 +12,9 @@ import sys
 
 import pytest
 import torch
-from conftest import GEMMA_MISSING, GEMMA_REASON, IN_CI, missing, tiny
 
 import kvlab
+from conftest import GEMMA_MISSING, GEMMA_REASON, IN_CI, missing, tiny
 from kvlab import peers
 from kvlab.measure.metrics import kl_divergence
 from kvlab.peers import llama_cpp as glue
