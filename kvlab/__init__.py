@@ -46,7 +46,7 @@ from kvlab.lab.kernel import KERNEL_NAME, kernel_name
 from kvlab.measure.case import Case, FidelityReference
 from kvlab.measure.fidelity import Fidelity, fidelity, merge_seconds, merge_times
 from kvlab.measure.mismatch import VARIANT_KINDS, MismatchResult, mismatch_kl, variants
-from kvlab.measure.stats import CI, mean_ci, paired_diff_ci
+from kvlab.measure.stats import CI, holm, mean_ci, paired_diff_ci, paired_p, proportion_ci
 from kvlab.models.catalog import model_names
 from kvlab.models.loaded import DEFAULT_MODEL, LoadedModel
 from kvlab.models.rope import layer_ropes, rotate_keys
@@ -72,6 +72,7 @@ __all__ = [
     # measures
     "Case", "FidelityReference", "Fidelity", "fidelity", "merge_seconds", "merge_times",
     "VARIANT_KINDS", "MismatchResult", "mismatch_kl", "variants", "CI", "mean_ci", "paired_diff_ci",
+    "proportion_ci", "paired_p", "holm",
     # findings
     "EvalSet", "Question", "generate", "ask", "passage_fragments", "read_records", "record",
     # lab and sweeps

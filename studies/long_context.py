@@ -31,8 +31,11 @@ from kvlab.atomic import atomic_path, atomic_write_text  # noqa: E402
 from kvlab.findings import longctx  # noqa: E402
 
 
+CI_KEYS = ("kl", "em", "agree", "agree_right")
+
+
 def ci_dict(c):
-    return {"mean": c.mean, "lo": c.lo, "hi": c.hi, "n": c.n}
+    return None if c is None else {"mean": c.mean, "lo": c.lo, "hi": c.hi, "n": c.n, "caches": c.n_clusters}
 
 
 def write(out: Path, model, args, rows, timings, profile, started):
@@ -43,15 +46,15 @@ def write(out: Path, model, args, rows, timings, profile, started):
         w.writerows(rows)
     summary = [
         {
-            **{k: v for k, v in r.items() if k not in ("kl", "em", "agree")},
-            **{m: ci_dict(r[m]) for m in ("kl", "em", "agree")},
+            **{k: v for k, v in r.items() if k not in CI_KEYS},
+            **{m: ci_dict(r[m]) for m in CI_KEYS},
         }
         for r in longctx.summarize(rows)
     ]
     by_offset = [
         {
-            **{k: v for k, v in r.items() if k not in ("kl", "em", "agree")},
-            **{m: ci_dict(r[m]) for m in ("kl", "em", "agree")},
+            **{k: v for k, v in r.items() if k not in CI_KEYS},
+            **{m: ci_dict(r[m]) for m in CI_KEYS},
         }
         for r in longctx.summarize(rows, ("n_fragments", "strategy", "answer_offset"))
     ]
@@ -63,8 +66,8 @@ def write(out: Path, model, args, rows, timings, profile, started):
             )
     per_set = [
         {
-            **{k: v for k, v in r.items() if k not in ("kl", "em", "agree")},
-            **{m: r[m].mean for m in ("kl", "em", "agree")},
+            **{k: v for k, v in r.items() if k not in CI_KEYS},
+            **{m: None if r[m] is None else r[m].mean for m in CI_KEYS},
         }
         for r in longctx.summarize(rows, ("n_fragments", "set", "strategy"))
     ]

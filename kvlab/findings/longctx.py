@@ -16,11 +16,11 @@ from kvlab.cache.merge import merge
 from kvlab.cache.recompute.strategy import Recompute
 from kvlab.cache.strategies import Naive, Reprefill, Rerotate, Strategy
 from kvlab.errors import MergeError
-from kvlab.findings.evalset import EvalSet, generate
+from kvlab.findings.evalset import EvalSet, generate, normalize
 from kvlab.findings.qa import ask, passage_fragments
 from kvlab.measure.metrics import phase_error
 from kvlab.measure.references import phase_reference
-from kvlab.measure.stats import CI, mean_ci, paired_diff_ci
+from kvlab.measure.stats import CI, mean_ci, paired_diff_ci, proportion_ci
 from kvlab.models.loaded import LoadedModel
 
 
@@ -159,28 +159,52 @@ def run(
     return rows, timings
 
 
+def cache_of(row: dict) -> tuple:
+    """The merged cache a row's question was read behind: one per (fragment count, generated set)."""
+    return row["n_fragments"], row.get("set", 0)
+
+
 def summarize(rows: list[dict], by: tuple[str, ...] = ("n_fragments", "strategy"), *, seed: int = 0) -> list[dict]:
-    """Mean and 95% bootstrap CI of ``kl``, ``em`` and ``agree`` for each group of rows.
+    """Mean and 95% interval of ``kl``, ``em`` and ``agree`` for each group of rows, over caches.
+
+    Intervals resample caches (:func:`cache_of`), then questions within them; ``em`` and ``agree``
+    are rates (:func:`kvlab.proportion_ci`: never collapsing at 0 or 1). Agreement with the joined
+    prefill counts only where that reference is right, so ``agree_right`` is over the
+    ``n_ref_right`` questions whose reference answer is exact; ``ref_top_share`` is the share of
+    reference answers that are its single most common answer (a degenerate reference repeats one).
 
     Returns
     -------
     list of dict
-        The ``by`` keys, ``n``, and ``kl``, ``em``, ``agree``, each a :class:`kvlab.measure.stats.CI`.
+        The ``by`` keys, ``n`` (questions), ``n_caches``, ``kl``, ``em``, ``agree``, ``agree_right``
+        (each a :class:`kvlab.measure.stats.CI`; ``agree_right`` None when the reference is never
+        right), ``n_ref_right`` and ``ref_top_share``.
     """
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault(tuple(r[k] for k in by), []).append(r)
     out = []
     for key, rs in groups.items():
-        row = dict(zip(by, key), n=len(rs))
-        for m in ("kl", "em", "agree"):
-            row[m] = mean_ci([float(r[m]) for r in rs], seed=seed)
+        caches = [cache_of(r) for r in rs]
+        row = dict(zip(by, key), n=len(rs), n_caches=len(set(caches)))
+        row["kl"] = mean_ci([float(r["kl"]) for r in rs], clusters=caches, seed=seed)
+        for m in ("em", "agree"):
+            row[m] = proportion_ci([bool(r[m]) for r in rs], clusters=caches, seed=seed)
+        right = [r for r in rs if r["ref_em"]]
+        row["n_ref_right"] = len(right)
+        row["agree_right"] = (
+            proportion_ci([bool(r["agree"]) for r in right], clusters=[cache_of(r) for r in right], seed=seed)
+            if right
+            else None
+        )
+        refs = [normalize(r["ref_answer"]) for r in rs]
+        row["ref_top_share"] = max(refs.count(a) for a in set(refs)) / len(refs)
         out.append(row)
     return out
 
 
 def paired(rows: list[dict], a: str, b: str, metric: str, *, where: dict | None = None, seed: int = 0) -> CI:
-    """CI of ``metric(a) - metric(b)`` over the questions both strategies answered (paired)."""
+    """CI of ``metric(a) - metric(b)`` over the questions both strategies answered, paired, resampled by cache."""
     where = where or {}
 
     def pick(s: str) -> dict:
@@ -192,4 +216,4 @@ def paired(rows: list[dict], a: str, b: str, metric: str, *, where: dict | None 
 
     x, y = pick(a), pick(b)
     keys = sorted(set(x) & set(y))
-    return paired_diff_ci([x[k] for k in keys], [y[k] for k in keys], seed=seed)
+    return paired_diff_ci([x[k] for k in keys], [y[k] for k in keys], clusters=[k[:2] for k in keys], seed=seed)

@@ -1,10 +1,13 @@
-"""Uncertainty of kvlab's findings: seeded percentile-bootstrap confidence intervals.
+"""Uncertainty of kvlab's findings: seeded bootstrap intervals over the unit that varies.
 
-Every number a study reports is a mean over questions or probes; :func:`mean_ci` gives it
-with a 95% interval, :func:`paired_diff_ci` the interval of the difference of two
-strategies measured on the *same* items (resampling items jointly, so the spread shared by
-both strategies cancels). Resampling is vectorised in NumPy and seeded, so a notebook
-re-run prints the same interval.
+The questions of one generated set share one merged cache, so they are not independent: the
+cache is the unit that varies. :func:`mean_ci` and :func:`paired_diff_ci` take ``clusters``
+(the cache each value was measured behind) and then resample caches, and questions within
+them (a two-stage cluster bootstrap); without it, items are resampled. :func:`proportion_ci`
+gives rates (exact match, agreement) an interval that never collapses at 0 or 1: the cluster
+bootstrap's, widened to cover the Wilson interval at the effective sample size. :func:`holm`
+corrects a family of named comparisons. Resampling is vectorised and seeded: a re-run prints
+the same interval. Rationale and the checks of coverage: docs/statistics.md.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ class CI:
     n : int
         Number of items the mean is over.
     level : float
+    n_clusters : int or None
+        Number of independent caches the items came from (``None``: items resampled alone).
     """
 
     mean: float
@@ -39,6 +44,7 @@ class CI:
     hi: float
     n: int
     level: float = 0.95
+    n_clusters: int | None = None  # caches the items came from, when resampled by cache
 
     @property
     def half_width(self) -> float:
@@ -50,7 +56,8 @@ class CI:
 
     def __format__(self, spec: str) -> str:
         spec = spec or ".3f"
-        return f"{self.mean:{spec}} [{self.lo:{spec}}, {self.hi:{spec}}] (n={self.n})"
+        caches = "" if self.n_clusters is None else f", caches={self.n_clusters}"
+        return f"{self.mean:{spec}} [{self.lo:{spec}}, {self.hi:{spec}}] (n={self.n}{caches})"
 
     def __str__(self) -> str:
         return format(self)
@@ -72,22 +79,59 @@ def _check(n_boot: int, level: float) -> None:
         raise StatsError(f"level must lie in (0, 1), got {level}")
 
 
-def _percentile(a: np.ndarray, n_boot: int, seed: int, level: float) -> CI:
+def _groups(clusters, n: int) -> list[np.ndarray] | None:
+    """Item indices per cluster, in first-seen order; None when ``clusters`` is None."""
+    if clusters is None:
+        return None
+    labels = list(clusters)
+    if len(labels) != n:
+        raise StatsError(f"clusters has {len(labels)} labels for {n} values")
+    order = list(dict.fromkeys(labels))
+    where = {c: i for i, c in enumerate(order)}
+    members: list[list[int]] = [[] for _ in order]
+    for k, c in enumerate(labels):
+        members[where[c]].append(k)
+    return [np.asarray(m) for m in members]
+
+
+def _resample_means(a: np.ndarray, groups, n_boot: int, seed: int) -> np.ndarray:
+    """``[n_boot]`` bootstrap means of ``a``: items alone, or caches then items within each cache."""
     rng = np.random.default_rng(seed)
-    idx = rng.integers(0, a.size, size=(int(n_boot), a.size))
-    means = a[idx].mean(axis=1)
+    if groups is None:
+        return a[rng.integers(0, a.size, size=(int(n_boot), a.size))].mean(axis=1)
+    sizes = np.array([g.size for g in groups])
+    picks = rng.integers(0, len(groups), size=(int(n_boot), len(groups)))
+    sums = np.zeros(int(n_boot))
+    counts = sizes[picks].sum(axis=1)
+    # Stage two, per cache: its items resampled with replacement, once for every time it was drawn.
+    for ci, g in enumerate(groups):
+        times = (picks == ci).sum(axis=1)
+        total = int(times.sum())
+        if total == 0:
+            continue
+        draws = a[g][rng.integers(0, g.size, size=(total, g.size))].sum(axis=1)
+        owner = np.repeat(np.arange(int(n_boot)), times)
+        np.add.at(sums, owner, draws)
+    return sums / counts
+
+
+def _interval(a: np.ndarray, groups, n_boot: int, seed: int, level: float) -> CI:
+    means = _resample_means(a, groups, n_boot, seed)
     tail = (1 - level) / 2 * 100
     lo, hi = np.percentile(means, [tail, 100 - tail])
-    return CI(float(a.mean()), float(lo), float(hi), int(a.size), level)
+    return CI(float(a.mean()), float(lo), float(hi), int(a.size), level, None if groups is None else len(groups))
 
 
-def mean_ci(values, *, n_boot: int = N_BOOT, seed: int = 0, level: float = 0.95) -> CI:
+def mean_ci(values, *, clusters=None, n_boot: int = N_BOOT, seed: int = 0, level: float = 0.95) -> CI:
     """Mean of ``values`` with a percentile-bootstrap interval.
 
     Parameters
     ----------
     values : array-like
-        ``[n]`` finite numbers (0/1 for a rate such as exact match).
+        ``[n]`` finite numbers (for a rate such as exact match use :func:`proportion_ci`).
+    clusters : sequence, optional
+        ``[n]`` labels: the cache (generated set) each value was measured behind. Given, caches
+        are resampled, then values within them, and the interval states ``n_clusters``.
     n_boot : int
         Resamples of the ``n`` items, with replacement.
     seed : int
@@ -100,10 +144,11 @@ def mean_ci(values, *, n_boot: int = N_BOOT, seed: int = 0, level: float = 0.95)
     CI
     """
     _check(n_boot, level)
-    return _percentile(_values(values, "values"), n_boot, seed, level)
+    a = _values(values, "values")
+    return _interval(a, _groups(clusters, a.size), n_boot, seed, level)
 
 
-def paired_diff_ci(a, b, *, n_boot: int = N_BOOT, seed: int = 0, level: float = 0.95) -> CI:
+def paired_diff_ci(a, b, *, clusters=None, n_boot: int = N_BOOT, seed: int = 0, level: float = 0.95) -> CI:
     """Mean of ``a - b`` over paired items, with a percentile-bootstrap interval.
 
     ``a[i]`` and ``b[i]`` must be measured on the same item (question, probe); the items
@@ -114,9 +159,89 @@ def paired_diff_ci(a, b, *, n_boot: int = N_BOOT, seed: int = 0, level: float = 
     ----------
     a, b : array-like
         ``[n]`` each.
+    clusters : sequence, optional
+        ``[n]`` cache labels, as for :func:`mean_ci`; pairs stay together within their cache.
     """
     _check(n_boot, level)
     x, y = _values(a, "a"), _values(b, "b")
     if x.shape != y.shape:
         raise StatsError(f"paired values need equal lengths, got {x.size} and {y.size}")
-    return _percentile(x - y, n_boot, seed, level)
+    return _interval(x - y, _groups(clusters, x.size), n_boot, seed, level)
+
+
+def proportion_ci(successes, *, clusters=None, n_boot: int = N_BOOT, seed: int = 0, level: float = 0.95) -> CI:
+    """A rate with an interval that never collapses at 0 or 1.
+
+    The (cluster) bootstrap interval of the mean, widened to cover the Wilson score interval
+    (:func:`scipy.stats.binomtest`) at the effective sample size ``n / deff``, where the design
+    effect ``deff >= 1`` is the ratio of the cluster bootstrap's variance to the items-alone one.
+    So 0 of 48 reads ``[0, 0.074]`` with independent items, and wider when the 48 share few caches.
+
+    Parameters
+    ----------
+    successes : array-like
+        ``[n]`` booleans or 0/1.
+    clusters : sequence, optional
+        ``[n]`` cache labels, as for :func:`mean_ci`.
+
+    Returns
+    -------
+    CI
+    """
+    from scipy.stats import binomtest
+
+    _check(n_boot, level)
+    a = _values(successes, "successes")
+    if not np.all((a == 0) | (a == 1)):
+        raise StatsError("a proportion needs 0/1 (or boolean) values; use mean_ci for other numbers")
+    groups = _groups(clusters, a.size)
+    ci = _interval(a, groups, n_boot, seed, level)
+    deff = 1.0
+    if groups is not None and 0 < a.mean() < 1:
+        iid = _resample_means(a, None, n_boot, seed).var()
+        deff = max(1.0, float(_resample_means(a, groups, n_boot, seed).var() / iid)) if iid > 0 else 1.0
+    n_eff = max(1, int(round(a.size / deff)))
+    wilson = binomtest(int(round(a.mean() * n_eff)), n_eff).proportion_ci(confidence_level=level, method="wilson")
+    return CI(ci.mean, min(ci.lo, float(wilson.low)), max(ci.hi, float(wilson.high)), ci.n, level, ci.n_clusters)
+
+
+def paired_p(a, b, *, clusters=None, n_boot: int = N_BOOT, seed: int = 0) -> float:
+    """Two-sided bootstrap p-value of ``mean(a - b) = 0`` (paired, by cache when ``clusters`` is given).
+
+    Twice the smaller share of resampled mean differences on either side of 0, floored at
+    ``1 / n_boot`` (a p-value below the resolution of the resampling is not claimed).
+    """
+    x, y = _values(a, "a"), _values(b, "b")
+    if x.shape != y.shape:
+        raise StatsError(f"paired values need equal lengths, got {x.size} and {y.size}")
+    d = x - y
+    means = _resample_means(d, _groups(clusters, d.size), n_boot, seed)
+    p = 2 * min(float((means <= 0).mean()), float((means >= 0).mean()))
+    return float(min(1.0, max(p, 1.0 / int(n_boot))))
+
+
+def holm(pvalues) -> list[float]:
+    """Holm's step-down adjusted p-values for a family of comparisons named before the run.
+
+    Parameters
+    ----------
+    pvalues : sequence of float
+        ``[m]`` raw p-values in the family's order.
+
+    Returns
+    -------
+    list of float
+        ``[m]`` adjusted p-values, same order: reject comparison ``i`` at level alpha when
+        ``adjusted[i] <= alpha``; the family-wise error rate stays below alpha.
+    """
+    p = _values(pvalues, "pvalues")
+    if np.any((p < 0) | (p > 1)):
+        raise StatsError("p-values must lie in [0, 1]")
+    m = p.size
+    order = np.argsort(p, kind="stable")
+    adjusted = np.empty(m)
+    running = 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * p[i]))
+        adjusted[i] = running
+    return [float(v) for v in adjusted]
