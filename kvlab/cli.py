@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--verbose", action="store_true", help="also print every probe's top-1 tokens")
     p.set_defaults(func=_mismatch)
     p = sub.add_parser("peers", help="kvlab beside llama.cpp on the same GGUF (needs the `peers` extra)")
-    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP + "; a model with a GGUF file")
     p.set_defaults(func=_peers)
     p = sub.add_parser("report", help="execute the notebooks with papermill into an HTML report")
     p.add_argument(

@@ -198,3 +198,17 @@ def test_llama_cpp_accepts_a_requantisation_and_refuses_another_architecture(smo
     assert by[("q4_0", "state")].kl_mean > 1e-3
     assert not by[("gemma3", "state")].accepted and "wrong model arch" in by[("gemma3", "state")].said
     assert not by[("gemma3", "seq")].accepted
+
+
+def test_kvlab_peers_takes_a_gguf_path_like_check_does(monkeypatch, capsys):
+    # The file's own bytes decide the model (a catalogue file loads as that model); llama.cpp
+    # then runs that very file. peer_table itself is exercised above; here only the routing.
+    from kvlab.cli import main
+    from kvlab.models.gguf import GGUF_MODELS
+    from kvlab.peers import compare
+
+    spec = GGUF_MODELS["smollm2-135m"]
+    path = spec.locate(spec)
+    monkeypatch.setattr(compare, "peer_table", lambda m: f"{m.name} runs {compare.model_gguf(m)}")
+    assert main(["peers", "--model", str(path)]) == 0
+    assert capsys.readouterr().out.strip() == f"smollm2-135m runs {path}"
