@@ -73,11 +73,14 @@ $(PEERS_STAMP): $(STAMP)
 report: prepare-all peers
 	$(VENV)/bin/kvlab report --out reports
 
-# nbval re-runs every notebook and compares its printed numbers with the stored run.
+# nbval re-runs every notebook and compares its printed numbers with the stored run. The suite
+# runs on TEST_WORKERS processes (pytest-xdist); --dist loadfile keeps each file, so each
+# notebook's cells, on one worker, and the notebooks (the longest files) are handed out first.
+TEST_WORKERS ?= 2
 test: prepare-all peers
 	sh scripts/install-browser.sh
-	MPLBACKEND=Agg $(VENV)/bin/python -m pytest -q -rs -p no:cacheprovider tests notebooks \
-		--nbval --nbval-sanitize-with notebooks/sanitize.cfg
+	MPLBACKEND=Agg $(VENV)/bin/python -m pytest -q -rs -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile \
+		--durations=10 notebooks tests --nbval --nbval-sanitize-with notebooks/sanitize.cfg
 
 # Unit tests on the tiny models, for the edit loop (no real model, notebook, browser or cluster).
 test-fast: setup
