@@ -1,25 +1,10 @@
 """Findings as data: a notebook records each key number, a sweep reads it back.
 
-``record(name, value, unit=..., ci=..., n=...)`` displays one output that carries the
-finding twice: as JSON under the MIME type ``application/vnd.kvlab.record+v1+json``
-and as one ``text/plain`` line for people (Jupyter, HTML export, nbval's text diff).
-``read_records(path)`` opens an executed notebook with nbformat and returns the JSON
-payloads in the order they were displayed; it never parses the text line.
-
-Why a custom MIME type and not nteract scrapbook's ``glue``: scrapbook is papermill's
-companion for exactly this, but its last release (0.5.0) dates from January 2021 and it
-requires pandas and pyarrow (tens of MB each) for a few numbers; its storage is itself a
-display output under a private MIME type (``application/scrapbook.scrap.json+json``), so
-it buys nothing a ten-line writer and reader do not give, while adding an unmaintained
-dependency on papermill's internals. A versioned MIME type of our own (``+v1``) can
-change its schema without breaking old executed notebooks.
-
-Determinism: nbval compares stored outputs of every MIME type, so the JSON is written with
-sorted keys and every float rounded to ``SIGNIFICANT_DIGITS`` (6) significant digits;
-the same run on the same machine gives byte-identical outputs. NaN and infinities are
-allowed (a finding may be undefined) and are stored as the strings ``"NaN"``,
-``"Infinity"`` and ``"-Infinity"`` so the payload stays strict JSON; ``read_records``
-turns them back into floats.
+``record(name, value, unit=..., ci=..., n=...)`` displays one output carrying the finding twice:
+JSON under ``application/vnd.kvlab.record+v1+json`` (sorted keys, floats at 6 significant
+digits, NaN and infinities as strings) and one ``text/plain`` line for people and nbval.
+``read_records(path)`` returns the JSON payloads of an executed notebook in display order.
+Why a MIME type of kvlab's own rather than scrapbook's ``glue``: docs/records.md.
 """
 
 from __future__ import annotations

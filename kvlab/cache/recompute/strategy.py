@@ -1,37 +1,12 @@
 """``recompute``: re-rotate, then recompute a few tokens at every layer (CacheBlend-style).
 
-Re-rotation gets every key's phase right but cannot give a fragment the attention to
-earlier fragments it never had (the context error). Recomputing the K and V of a few
-chosen tokens, layer by layer, against the merged cache restores part of it, at a cost
-that grows with the number of tokens chosen (CacheBlend recomputes about 15%).
-
-The recompute runs the model's own decoder layers (norms, projections, ``q_norm`` /
-``k_norm``, RoPE from the model's rotary module, MLP) on the chosen tokens only. Each
-layer attends through a stand-in cache object that writes the chosen tokens' fresh K/V
-into their slots of that layer's merged K/V and hands the whole layer back, under a mask
-that lets the token at position ``p`` see slots ``<= p`` (and, on sliding-window layers,
-only slots ``> p - window``). So the chosen tokens see each other's fresh K/V and
-everyone else's re-rotated K/V, as in CacheBlend. With every token chosen this is a
-prefill of the joined tokens; with none it is ``rerotate``.
-
-The algorithm, in the order of the CacheBlend description, as named functions:
-
-0. re-rotate and concatenate the fragments (:class:`kvlab.cache.strategies.KeyRotator`,
-   :func:`kvlab.cache.strategies.concat_layers`);
-1. select the tokens (:meth:`Recompute.select_tokens`; ``deviation`` scores them with
-   :func:`key_deviation`);
-2. give them their positions and mask (:func:`position_embeddings`,
-   :func:`attention_mask`, :func:`layer_inputs`);
-3. run the layers on them (:func:`run_layers`);
-4. write their fresh K/V back (in place, or :func:`write_back` on a sliding layer).
-
-:func:`recompute_tokens` runs steps 2-4; :class:`Decoder` holds the model's parts.
-
-Sliding-window layers keep only the last ``window - 1`` merged tokens. A chosen token
-outside them still runs through every layer (its hidden state feeds the layers that do
-keep it); inside such a layer it attends to the K/V of its window that exist anywhere:
-other chosen tokens' fresh ones and each fragment's own kept tail, re-rotated. Its K/V
-are written back only where the layer keeps its slot.
+The steps, in the order of the CacheBlend description, one module each: re-rotate and
+concatenate (:class:`kvlab.cache.strategies.KeyRotator`); select the tokens
+(:meth:`Recompute.select_tokens`, ``select``); give them positions and a causal-by-position
+mask (``inputs``); run the decoder layers on them (``layers``); write their fresh K/V back
+(``write``). :func:`recompute_tokens` runs steps 2-4. Ratio 0 is ``rerotate`` bit for bit,
+ratio 1 a prefill of the joined tokens. How the stand-in cache, the mask and sliding-window
+layers work: docs/recompute.md.
 """
 
 from __future__ import annotations
