@@ -1,14 +1,18 @@
-"""The README is executable: every command it shows runs, and its result tables match a run.
+"""The documentation is executable: every command it shows runs, and its result tables match a run.
 
-Commands come from the README itself (its ```bash blocks), so a command added there is
-run here without anyone editing this file. ``make`` lines are checked against the
-Makefile's targets; ``make test`` is CI's own entry point, and the ``kvlab`` commands
-that ``make report`` runs are listed in the README and run here.
+The pages are the README, every ``docs/*.md``, ``benchmarks/README.md`` and
+``results/README.md``. Commands come from the pages themselves (their ```bash blocks), so a
+command added there is run here without anyone editing this file. ``make`` lines are checked
+against the Makefile's targets; ``make test`` is CI's own entry point, and the ``kvlab``
+commands that ``make report`` runs are shown on a page and run here. ```console and ```text
+blocks are examples (paths that are the reader's, placeholders) and are not run.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -19,14 +23,25 @@ import nbformat
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text()
+README = ROOT / "README.md"
+PAGES = [
+    README,
+    *sorted((ROOT / "docs").glob("*.md")),
+    ROOT / "benchmarks" / "README.md",
+    ROOT / "results" / "README.md",
+]
 KVLAB = [sys.executable, "-m", "kvlab.cli"]
+README_MAX_LINES = 200
 
 
-def _fenced() -> list[tuple[str, str]]:
-    """``(language, text)`` of every fenced block, in order (an opening fence names its language)."""
+def _rel(page: Path) -> str:
+    return page.relative_to(ROOT).as_posix()
+
+
+def _fenced(page: Path) -> list[tuple[str, str]]:
+    """``(language, text)`` of every fenced block of a page, in order (an opening fence names its language)."""
     blocks, lang, body = [], None, []
-    for line in README.splitlines():
+    for line in page.read_text().splitlines():
         if line.startswith("```"):
             if lang is None:
                 lang, body = line[3:].strip(), []
@@ -35,46 +50,79 @@ def _fenced() -> list[tuple[str, str]]:
                 lang = None
         elif lang is not None:
             body.append(line)
-    assert lang is None, "README ends inside a fenced block"
+    assert lang is None, f"{_rel(page)} ends inside a fenced block"
     return blocks
 
 
-def _blocks(lang: str) -> list[str]:
-    return [text for block_lang, text in _fenced() if block_lang == lang]
+def _prose(page: Path) -> str:
+    """A page without its fenced blocks."""
+    out, inside = [], False
+    for line in page.read_text().splitlines():
+        if line.startswith("```"):
+            inside = not inside
+        elif not inside:
+            out.append(line)
+    return "\n".join(out)
 
 
-def readme_commands() -> list[str]:
-    """Every shell command line of the README's ```bash blocks (comments stripped)."""
+def _blocks(lang: str, pages=PAGES) -> list[tuple[Path, str]]:
+    return [(page, text) for page in pages for block_lang, text in _fenced(page) if block_lang == lang]
+
+
+def page_commands(pages=PAGES) -> list[tuple[Path, str]]:
+    """``(page, line)`` for every shell command line of the pages' ```bash blocks (comments stripped)."""
     out = []
-    for block in _blocks("bash"):
+    for page, block in _blocks("bash", pages):
         for line in block.splitlines():
             line = line.split(" #", 1)[0].strip()
             if line and not line.startswith("#"):
-                out.append(line)
+                out.append((page, line))
     return out
 
 
-KVLAB_COMMANDS = [c for c in readme_commands() if re.match(r"(\.venv/bin/)?kvlab ", c)]
-MAKE_COMMANDS = [c for c in readme_commands() if c.startswith("make ")]
+def _is_kvlab(command: str) -> bool:
+    return re.match(r"(\.venv/bin/)?kvlab ", command) is not None
 
 
-def test_readme_shows_commands_and_every_line_is_one_we_run():
+# Each distinct kvlab command runs once, named after the first page that shows it.
+KVLAB_COMMANDS: dict[str, Path] = {}
+for _page, _command in page_commands():
+    if _is_kvlab(_command):
+        KVLAB_COMMANDS.setdefault(_command, _page)
+MAKE_COMMANDS = [c for _, c in page_commands() if c.startswith("make ")]
+
+
+def test_the_readme_is_a_front_door():
+    lines = README.read_text().splitlines()
+    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines, at most {README_MAX_LINES}"
+    shown = [c for _, c in page_commands([README])]
+    for target in ("report", "test", "lab", "test-fast", "lint"):
+        assert f"make {target}" in shown, target
+    # Every other page is one link away from the README.
+    linked = {(README.parent / t).resolve() for t, _ in _links(README)}
+    assert all(p.exists() for p in PAGES)
+    assert [_rel(p) for p in PAGES[1:] if p not in linked] == []
+
+
+def test_pages_show_commands_and_every_line_is_one_we_run():
     assert KVLAB_COMMANDS and "make report" in MAKE_COMMANDS and "make test" in MAKE_COMMANDS
-    other = [c for c in readme_commands() if c not in KVLAB_COMMANDS + MAKE_COMMANDS]
+    other = [(_rel(p), c) for p, c in page_commands() if not _is_kvlab(c) and not c.startswith("make ")]
     # Anything else a reader is told to type must be runnable here too; list it explicitly.
-    allowed = re.compile(r"^(pip install |conda env create |\.venv/bin/python |KVLAB_CACHE=|dask (scheduler|worker) )")
-    assert all(allowed.match(c) for c in other), other
+    allowed = re.compile(
+        r"^(pip install |conda env create |\.venv/bin/python |KVLAB_CACHE=|dask (scheduler|worker) |CI=true bash \.ci/run$)"
+    )
+    assert [(p, c) for p, c in other if not allowed.match(c)] == []
 
 
-def test_make_targets_in_the_readme_exist():
+def test_make_targets_on_the_pages_exist():
     targets = set(re.findall(r"^([a-z][\w-]*):", (ROOT / "Makefile").read_text(), flags=re.M))
     for cmd in MAKE_COMMANDS:
         assert cmd.split()[1] in targets, cmd
 
 
-def test_make_report_runs_the_readme_commands():
+def test_make_report_runs_commands_the_pages_show():
     # `make report` is `kvlab models --prepare` then `kvlab report --out reports`; both are
-    # README commands run by test_readme_kvlab_command.
+    # commands shown on a page, run by test_page_kvlab_command.
     dry = subprocess.run(
         ["make", "-n", "-W", ".venv/.kvlab-setup", "report"], cwd=ROOT, capture_output=True, text=True, check=True
     ).stdout
@@ -84,8 +132,8 @@ def test_make_report_runs_the_readme_commands():
 
 
 @pytest.mark.real
-@pytest.mark.parametrize("command", KVLAB_COMMANDS)
-def test_readme_kvlab_command(command, tmp_path):
+@pytest.mark.parametrize("command", [pytest.param(c, id=f"{_rel(p)}: {c}") for c, p in KVLAB_COMMANDS.items()])
+def test_page_kvlab_command(command, tmp_path):
     argv = shlex.split(command)[1:]
     if "--out" in argv:  # write reports into the test's own folder, not the checkout
         argv[argv.index("--out") + 1] = str(tmp_path / "reports")
@@ -103,22 +151,121 @@ def test_readme_kvlab_command(command, tmp_path):
         assert "(no finding printed)" not in index
 
 
-# -- the README's result tables against a run --------------------------------------------------
+@pytest.mark.real
+def test_readme_quickstart_runs(tmp_path):
+    quickstart = next(text for page, text in _blocks("python", [README]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    run = subprocess.run(
+        [sys.executable, "-c", quickstart], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, f"{run.stdout[-2000:]}\n{run.stderr[-4000:]}"
+    assert (tmp_path / "memory.kvcache").exists()
 
 
-def _readme_table(first_header_cell: str) -> list[list[str]]:
-    lines = README.splitlines()
-    start = next(i for i, l in enumerate(lines) if l.strip().startswith(f"| {first_header_cell} |"))
-    rows = []
-    for l in lines[start + 2 :]:
-        if not l.strip().startswith("|"):
-            break
-        rows.append([c.strip() for c in l.strip().strip("|").split("|")])
-    return rows
+# -- links and names ---------------------------------------------------------------------------
 
 
-def test_readme_mismatch_table_matches_notebook_03():
-    # nbval guards notebook 03's stored outputs against a fresh run; this ties the README to them.
+def _links(page: Path) -> list[tuple[str, str]]:
+    """``(path, anchor)`` of every relative link and image of a page (web links left out)."""
+    out = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", _prose(page)):
+        if re.match(r"[a-z]+:", target):
+            continue
+        path, _, anchor = target.partition("#")
+        out.append((path, anchor))
+    return out
+
+
+def _anchors(page: Path) -> set[str]:
+    """GitHub's anchors of a page's headings: lower case, punctuation dropped, spaces to hyphens."""
+    heads = re.findall(r"^#+ (.+)$", _prose(page), flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_rel)
+def test_links_point_at_files_and_headings_that_exist(page):
+    for path, anchor in _links(page):
+        target = (page.parent / path).resolve() if path else page
+        assert target.exists(), f"{_rel(page)} links to {path}, which does not exist"
+        if anchor:
+            assert anchor in _anchors(target), f"{_rel(page)} links to {path}#{anchor}: no such heading"
+
+
+def _code_spans(page: Path) -> list[str]:
+    """Inline code of the prose and the lines of ```bash blocks."""
+    return re.findall(r"`([^`\n]+)`", _prose(page)) + [block for _, block in _blocks("bash", [page])]
+
+
+# A path into the checkout: under one of its tracked top folders. Placeholders (<stem>, NN_name,
+# NAME, globs, elisions) are left out; so are folders that runs create (runs/, reports/).
+REPO_PATH = re.compile(r"^(kvlab|tests|notebooks|studies|scripts|docs|benchmarks|results|\.ci)/[\w./-]*$")
+PLACEHOLDER = re.compile(r"[<>*]|NN_|NAME|\.\.\.")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_rel)
+def test_paths_in_code_exist(page):
+    missing = []
+    for span in _code_spans(page):
+        for word in span.split():
+            word = word.strip("'\",;:()[]")
+            if REPO_PATH.match(word) and not PLACEHOLDER.search(word) and not (ROOT / word).exists():
+                missing.append(word)
+    assert missing == [], f"{_rel(page)} names paths that do not exist: {missing}"
+
+
+def _resolve(dotted: str) -> object:
+    """The object a dotted ``kvlab.x.y`` name means: the longest importable module, then attributes."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        name = ".".join(parts[:i])
+        try:
+            obj = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name is not None and name.startswith(e.name):
+                continue
+            raise
+        for attr in parts[i:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ImportError(dotted)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_rel)
+def test_kvlab_names_in_code_resolve(page):
+    # `kvlab.x.y` in the prose must name a module or object that exists (module paths are
+    # kvlab.<folder>.<module>; the public API is kvlab.*).
+    bad = []
+    for span in _code_spans(page):
+        for dotted in re.findall(r"(?<![\w./])kvlab(?:\.\w+)+", span):
+            try:
+                _resolve(dotted)
+            except (ImportError, AttributeError) as e:
+                bad.append(f"{dotted} ({e})")
+    assert bad == [], f"{_rel(page)} names what kvlab does not have: {bad}"
+
+
+# -- the pages' result tables against a run ------------------------------------------------------
+
+
+def _table(first_header_cell: str) -> tuple[Path, list[list[str]]]:
+    """The one table, on any page, whose header starts with ``first_header_cell``, and its rows."""
+    found = []
+    for page in PAGES:
+        lines = _prose(page).splitlines()
+        for i, l in enumerate(lines):
+            if l.strip().startswith(f"| {first_header_cell} |"):
+                rows = []
+                for row in lines[i + 2 :]:
+                    if not row.strip().startswith("|"):
+                        break
+                    rows.append([c.strip() for c in row.strip().strip("|").split("|")])
+                found.append((page, rows))
+    assert len(found) == 1, [_rel(p) for p, _ in found]
+    return found[0]
+
+
+def test_mismatch_table_matches_notebook_03():
+    # nbval guards notebook 03's stored outputs against a fresh run; this ties the page to them.
     nb = nbformat.read(ROOT / "notebooks" / "03_fingerprint_kl.ipynb", as_version=4)
     text = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
     stored = {}
@@ -128,15 +275,27 @@ def test_readme_mismatch_table_matches_notebook_03():
         cells = re.split(r"\s{2,}", line.strip())
         if cells[0] in {"bf16", "fp16", "int8", "finetune"} and len(cells) == 5 and cells[1].isdigit():
             stored[cells[0]] = cells
-    rows = _readme_table("reader")
-    assert {r[0] for r in rows} == set(stored) and stored
+    page, rows = _table("reader")
+    assert {r[0] for r in rows} == set(stored) and stored, _rel(page)
     for r in rows:
-        assert r == stored[r[0]], (r, stored[r[0]])
+        assert r == stored[r[0]], (_rel(page), r, stored[r[0]])
+
+
+def _check_block() -> str:
+    """The one shown output of a plain ``kvlab check`` (a block, not run, whose first line is the command)."""
+    found = [
+        text
+        for page in PAGES
+        for lang, text in _fenced(page)
+        if lang != "bash" and re.match(r"\$ kvlab check(\s+#|\s*$)", text.lstrip().splitlines()[0])
+    ]
+    assert len(found) == 1, len(found)
+    return found[0]
 
 
 @pytest.mark.real
-def test_readme_check_output_matches_a_run():
-    block = next(b for b in _blocks("") if b.lstrip().startswith("$ kvlab check"))
+def test_check_output_matches_a_run():
+    block = _check_block()
     shown = {
         l.split()[0]: l.split()
         for l in block.splitlines()[1:]

@@ -1,65 +1,12 @@
 """Producer fingerprints: which weights, tokenizer, dtype and geometry made a KV cache.
 
-A KV cache is a function of the exact model that computed it. :func:`fingerprint` names
-that model in a JSON-ready dict; :func:`compare` lists how two fingerprints differ, one
-:class:`Difference` per field.
+:func:`fingerprint` names the model that computed a cache in a JSON-ready dict: the fields of
+``STRICT_FIELDS``, which a cache file must match (see :func:`kvlab.load_cache`), and ``info``
+(library versions, recorded, never compared). :func:`compare` lists how two fingerprints
+differ, one :class:`Difference` per field. The tokenizer and weights digests are remembered
+per live object and in kvlab's conversion folder; ``recompute=True`` hashes everything.
 
-Strict fields (any difference refuses a cache file, see :func:`kvlab.load_cache`)
----------------------------------------------------------------------------------
-``source``, ``source_sha256``
-    Where the weights came from (GGUF package and file, a local folder's name, tiny seed,
-    a live object's name, derived variant) and the sha256 of that GGUF file, or of the
-    folder's config, weight and tokenizer files. The same model *name* can resolve to
-    different files.
-``architecture``
-    The model class. Two architectures can share every tensor shape and still compute
-    different keys (norms, activation, k_norm, bias).
-``config_sha256``
-    sha256 of the canonical config JSON, without volatile keys (``VOLATILE_CONFIG_KEYS``
-    and every ``_private`` key: paths, library versions, runtime switches). Any remaining
-    hyperparameter (eps, rope, activation, window) changes what the model computes.
-``tokenizer_sha256``
-    A cache is indexed by token ids; another tokenizer maps the same text to other ids, so
-    the cached positions no longer mean the tokens the reader thinks they do.
-``dtype``
-    Keys and values computed in another precision differ in every element.
-``quantization``
-    The GGUF type the weights were dequantized from, or a local variant such as an int8
-    round trip, or ``none``. Quantization changes every weight a little.
-``geometry``
-    What a cache layer holds: layer count, per-layer type (full or sliding), KV heads,
-    head_dim, rope parameters, sliding window. Compared per sub-field
-    (``geometry.kv_heads`` ...). A shape difference makes a cache unusable; a rope
-    difference makes every cached key carry the wrong phase.
-``weights_sha256``
-    A digest over every tensor of the state dict in sorted-name order. It is the only
-    field that sees a fine-tune or an in-place edit, which keep all other fields.
-
-Informational fields (recorded, never compared)
------------------------------------------------
-``info``: kvlab, transformers, torch, tokenizers and safetensors versions, the kvlab model
-name and the variant. A library upgrade computes the same function up to kernel
-rounding; refusing every cache on every upgrade would train users to pass
-``strict=False`` and so defeat the check.
-
-Cost
-----
-Everything but the weights and tokenizer digests is recomputed on each call (a few
-milliseconds). The tokenizer digest (a serialization of the whole tokenizer: 0.4 s for
-Gemma 3's 262k tokens) and the weights digest are remembered per live object and
-invalidated when the object changes (new storage, in-place edits bump a tensor's version
-counter, added tokens change the tokenizer's length). For a model loaded from kvlab's
-conversion cache both are also kept in that folder (for a user's own model folder, in
-``$KVLAB_CACHE/folders/<name>-<files digest>``: kvlab never writes into the user's folder):
-
-* ``fingerprint-tokenizer.json``, written when the GGUF is converted, so that even the
-  first fingerprint in a new process costs milliseconds. It is trusted only while the
-  tokenizer's files keep their size and modification time and the live tokenizer keeps
-  its length and special ids.
-* ``fingerprint-<dtype>.json`` for the weights, trusted in a new process only when every
-  tensor is still unmodified since loading and a sampled digest of every tensor agrees.
-
-Pass ``recompute=True`` to hash everything.
+Why each field is strict, and what the digests cost: ``docs/cache-files.md``.
 """
 
 from __future__ import annotations
@@ -90,7 +37,7 @@ from kvlab.models.digests import (
 from kvlab.models.digests import canonical_json as _canonical
 from kvlab.models.rope import layer_ropes
 
-#: Fields whose difference refuses a cache file (see the module docstring for why).
+#: Fields whose difference refuses a cache file (docs/cache-files.md says why).
 STRICT_FIELDS = (
     "source",
     "source_sha256",
