@@ -293,6 +293,14 @@ def _check_block() -> str:
     return found[0]
 
 
+# Max |K| or |V| differences below this are fp32 rounding: five orders under naive's phase error.
+FP32_ROUNDING = 1e-4
+
+
+def _rounding(word: str) -> str:
+    return "fp32 rounding" if float(word) < FP32_ROUNDING else word
+
+
 @pytest.mark.real
 def test_check_output_matches_a_run():
     block = _check_block()
@@ -309,13 +317,16 @@ def test_check_output_matches_a_run():
         if "refused" in r:
             assert words[1] == "refused:" and " ".join(words[2:]).rstrip(".").rstrip() in r["refused"]
             continue
-        # Every column but the last (wall time, which varies from run to run).
+        # Every column but the last (wall time, which varies from run to run). A K/V difference at
+        # fp32 rounding depends on the CPU's kernels (AVX2 and AVX-512 builds round differently),
+        # so there the shown value must be rounding too; everything else matches digit for digit.
         want = [
-            f"{r['max_k_phase']:.3e}",
-            f"{r['max_v_phase']:.3e}",
+            _rounding(f"{r['max_k_phase']:.3e}"),
+            _rounding(f"{r['max_v_phase']:.3e}"),
             str(r["seq_len"]),
             f"{r['kl_mean']:.4f}",
             f"{r['kl_max']:.4f}",
             r["top1_agree"],
         ]
-        assert words[1:7] == want, (name, words, want)
+        got = [_rounding(words[1]), _rounding(words[2]), *words[3:7]]
+        assert got == want, (name, words, want)
