@@ -298,7 +298,8 @@ FP32_ROUNDING = 1e-4
 
 
 def _rounding(word: str) -> str:
-    return "fp32 rounding" if float(word) < FP32_ROUNDING else word
+    """A value at fp32 rounding by its exponent alone, as notebooks/sanitize.cfg has nbval compare it."""
+    return f"Ne{word.partition('e')[2]}" if float(word) < FP32_ROUNDING else word
 
 
 @pytest.mark.real
@@ -317,9 +318,9 @@ def test_check_output_matches_a_run():
         if "refused" in r:
             assert words[1] == "refused:" and " ".join(words[2:]).rstrip(".").rstrip() in r["refused"]
             continue
-        # Every column but the last (wall time, which varies from run to run). A K/V difference at
-        # fp32 rounding depends on the CPU's kernels (AVX2 and AVX-512 builds round differently),
-        # so there the shown value must be rounding too; everything else matches digit for digit.
+        # Every column but the last (wall time, which varies from run to run). The digits of a K/V
+        # difference at fp32 rounding follow the CPU's kernels, so there only the exponent must
+        # match; everything else matches digit for digit.
         want = [
             _rounding(f"{r['max_k_phase']:.3e}"),
             _rounding(f"{r['max_v_phase']:.3e}"),
