@@ -127,7 +127,7 @@ def test_dynamic_ntk_is_refused_never_concatenated():
 
 
 # Measured max |dK| over all layers: SmolLM2 8.6e-6 absolute, 5.8e-7 relative (30 layers;
-# BRIEF: 2.1e-5); Gemma 3 5.2e-5 absolute, 1.8e-6 relative (18 layers; BRIEF: 2.5e-4).
+# a first prototype measured 2.1e-5); Gemma 3 5.2e-5 absolute, 1.8e-6 relative (18 layers; prototype: 2.5e-4).
 @pytest.mark.real
 @pytest.mark.parametrize("model_fixture", ["smollm2", "gemma3"])
 def test_rerotate_matches_phase_reference_on_real_models(model_fixture, request):

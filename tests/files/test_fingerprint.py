@@ -1,4 +1,4 @@
-"""kvlab.fingerprint (kvlab/identity.py): every strict field is computed, compared and reported on its own."""
+"""kvlab.fingerprint (kvlab/files/identity.py): every strict field is computed, compared and reported on its own."""
 
 from __future__ import annotations
 
