@@ -3,7 +3,9 @@ the explorer redraws when its widgets change. (`make test` also runs nbval on th
 
 from __future__ import annotations
 
+import ast
 import json
+import re
 from pathlib import Path
 
 import papermill as pm
@@ -31,6 +33,66 @@ def test_every_notebook_has_question_parameters_conclusions_and_a_finding():
             for o in c.get("outputs", []):
                 assert o.get("name") != "stderr", f"{name} stores stderr output: {''.join(o.get('text', ''))[:200]}"
                 assert o["output_type"] != "error", name
+
+
+MAX_CELL_LINES = 25
+HAND_BUILT = re.compile(r"\b(phase_reference|context_reference)\(")
+
+
+def blanket_filters(source: str) -> list[str]:
+    """``filterwarnings("ignore")`` / ``simplefilter("ignore")`` calls in ``source`` that name no message or category."""
+    code = "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in source.splitlines())
+    found = []
+    for node in ast.walk(ast.parse(code)):
+        if not isinstance(node, ast.Call):
+            continue
+        name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+        # The positions of message and category: filterwarnings(action, message, category, ...),
+        # simplefilter(action, category, ...).
+        named = {"filterwarnings": ("message", "category"), "simplefilter": ("category",)}.get(name)
+        if named is None or not node.args or not isinstance(node.args[0], ast.Constant):
+            continue
+        if node.args[0].value == "ignore" and len(node.args) == 1 and not {k.arg for k in node.keywords} & set(named):
+            found.append(ast.unparse(node))
+    return found
+
+
+def test_blanket_filters_are_recognised():
+    assert blanket_filters('%matplotlib inline\nimport warnings\nwarnings.filterwarnings("ignore")') == [
+        "warnings.filterwarnings('ignore')"
+    ]
+    assert blanket_filters('simplefilter("ignore")\nwarnings.simplefilter(action="ignore")') == [
+        "simplefilter('ignore')"
+    ]  # a keyword action is not looked at; kvlab writes it positionally
+    assert blanket_filters('warnings.filterwarnings("ignore", message="x")') == []
+    assert blanket_filters('warnings.filterwarnings("ignore", "x")') == []
+    assert blanket_filters('warnings.simplefilter("ignore", FutureWarning)') == []
+    assert blanket_filters('warnings.simplefilter("default")') == []
+
+
+def test_notebook_cells_are_thin():
+    # Set-up, inputs and figures live in kvlab (kvlab.lab.setup, kvlab.Case, kvlab.lab.plots): a
+    # notebook cell holds the steps of its question, not their machinery.
+    for name, path in notebooks().items():
+        for i, cell in enumerate(json.loads(path.read_text())["cells"]):
+            if cell["cell_type"] != "code":
+                continue
+            source = "".join(cell["source"])
+            where = f"{name} code cell {i}"
+            assert len(source.splitlines()) <= MAX_CELL_LINES, (
+                f"{where} has {len(source.splitlines())} lines (at most {MAX_CELL_LINES}): split it, or move "
+                "its machinery into kvlab"
+            )
+            assert blanket_filters(source) == [], (
+                f"{where} silences every warning ({blanket_filters(source)}); kvlab.lab.setup filters the known "
+                "noise by message and category"
+            )
+            assert not HAND_BUILT.search(source), (
+                f"{where} builds a reference by hand; use kvlab.Case (case.phase, case.context)"
+            )
+        assert "setup(seed)" in "".join(json.loads(path.read_text())["cells"][2]["source"]), (
+            f"{name}: its set-up cell calls kvlab.lab.setup(seed)"
+        )
 
 
 TEXTS = [
