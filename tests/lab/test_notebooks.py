@@ -95,6 +95,34 @@ def test_notebook_cells_are_thin():
         )
 
 
+def test_setup_seeds_and_silences_only_the_known_noise():
+    import random
+    import warnings
+
+    import numpy as np
+    import torch
+    from transformers.utils import logging as tf_logging
+
+    import kvlab
+    from kvlab.lab import NOTEBOOK_NOISE, setup
+
+    for message, category, _ in NOTEBOOK_NOISE:
+        assert message and issubclass(category, Warning) and category is not Warning, (message, category)
+    verbosity, bars = tf_logging.get_verbosity(), tf_logging.is_progress_bar_enabled()
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            setup(3)
+            drawn = (random.random(), float(np.random.rand()), float(torch.rand(())))
+            setup(3)
+            assert drawn == (random.random(), float(np.random.rand()), float(torch.rand(())))
+            warnings.warn("loaded with strict=False", kvlab.CacheFileWarning, stacklevel=1)
+            warnings.warn("something new", UserWarning, stacklevel=1)
+        assert [str(w.message) for w in seen] == ["loaded with strict=False", "something new"]
+    finally:
+        tf_logging.set_verbosity(verbosity)
+        (tf_logging.enable_progress_bar if bars else tf_logging.disable_progress_bar)()
+
+
 TEXTS = [
     "Alpha fragment speaks of rivers and stone.",
     " Beta fragment follows with birds,",
