@@ -50,9 +50,13 @@ def blanket_filters(source: str) -> list[str]:
         # The positions of message and category: filterwarnings(action, message, category, ...),
         # simplefilter(action, category, ...).
         named = {"filterwarnings": ("message", "category"), "simplefilter": ("category",)}.get(name)
-        if named is None or not node.args or not isinstance(node.args[0], ast.Constant):
+        if named is None:
             continue
-        if node.args[0].value == "ignore" and len(node.args) == 1 and not {k.arg for k in node.keywords} & set(named):
+        keywords = {k.arg: k.value for k in node.keywords}
+        action = node.args[0] if node.args else keywords.get("action")
+        if not (isinstance(action, ast.Constant) and action.value == "ignore"):
+            continue
+        if len(node.args) <= 1 and not set(keywords) & set(named):
             found.append(ast.unparse(node))
     return found
 
@@ -62,8 +66,12 @@ def test_blanket_filters_are_recognised():
         "warnings.filterwarnings('ignore')"
     ]
     assert blanket_filters('simplefilter("ignore")\nwarnings.simplefilter(action="ignore")') == [
-        "simplefilter('ignore')"
-    ]  # a keyword action is not looked at; kvlab writes it positionally
+        "simplefilter('ignore')",
+        "warnings.simplefilter(action='ignore')",
+    ]
+    assert blanket_filters('warnings.filterwarnings("ignore", module="x")') == [
+        "warnings.filterwarnings('ignore', module='x')"
+    ]
     assert blanket_filters('warnings.filterwarnings("ignore", message="x")') == []
     assert blanket_filters('warnings.filterwarnings("ignore", "x")') == []
     assert blanket_filters('warnings.simplefilter("ignore", FutureWarning)') == []
@@ -90,9 +98,8 @@ def test_notebook_cells_are_thin():
             assert not HAND_BUILT.search(source), (
                 f"{where} builds a reference by hand; use kvlab.Case (case.phase, case.context)"
             )
-        assert "setup(seed)" in "".join(json.loads(path.read_text())["cells"][2]["source"]), (
-            f"{name}: its set-up cell calls kvlab.lab.setup(seed)"
-        )
+        sources = ["".join(c["source"]) for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
+        assert any("setup(seed)" in s for s in sources), f"{name} never calls kvlab.lab.setup(seed)"
 
 
 def test_setup_seeds_and_silences_only_the_known_noise():
