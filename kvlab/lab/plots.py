@@ -166,3 +166,214 @@ def error_budget(budget: dict[str, dict[str, np.ndarray]], model_name: str) -> F
     axes[0][-1].legend(loc="lower right", fontsize=8)
     fig.suptitle(f"{model_name}: error budget per layer, fragments after the first")
     return fig
+
+
+def reader_kl(results: dict, kl_ci: dict, model_name: str, n_probes: int, seed: int = 0) -> Figure:
+    """Per-probe next-token KL of each same-shape reader behind the producer's cache (nats, log scale).
+
+    Each probe is a jittered dot; the black square and bar are the mean and its 95% CI.
+
+    Parameters
+    ----------
+    results : dict
+        reader kind -> :class:`kvlab.MismatchResult` (its ``rows`` carry one ``kl`` per probe).
+    kl_ci : dict
+        reader kind -> :class:`kvlab.CI` of the per-probe KL.
+    n_probes : int
+        Probes per reader (for the title).
+    seed : int
+        Seeds the horizontal jitter of the dots.
+    """
+    fig, ax = plt.subplots(figsize=(8, 3.8), constrained_layout=True)
+    floor = 1e-8  # fp16 readers can land on exactly 0; the log axis needs a floor
+    rng = np.random.default_rng(seed)
+    for i, (kind, res) in enumerate(results.items()):
+        kls = np.maximum([r.kl for r in res.rows], floor)
+        ax.plot(i + rng.uniform(-0.15, 0.15, kls.size), kls, ".", color=f"C{i}", alpha=0.5)
+        k = kl_ci[kind]
+        mean, lo, hi = (max(v, floor) for v in (k.mean, k.lo, k.hi))
+        ax.errorbar([i + 0.3], [mean], yerr=[[mean - lo], [hi - mean]], fmt="s", color="k", capsize=4)
+    ax.set(
+        xticks=range(len(results)),
+        xticklabels=list(results),
+        yscale="log",
+        xlabel="same-shape reader",
+        ylabel=f"next-token KL (nats, floored at {floor:g})",
+        title=f"{model_name}: reader vs producer cache, {n_probes} probes (black: mean, 95% CI)",
+    )
+    return fig
+
+
+def _recompute_label(policy: str, ratio: float) -> str:
+    return f"{policy} r={ratio:g}"
+
+
+def fidelity_vs_cost(ci: dict, cost: dict, policies: list[str], ratios: list[float], model_name: str) -> Figure:
+    """Recompute's KL and answer agreement against its ratio, and KL against measured cost.
+
+    Three panels: mean next-token KL (nats) against the recompute ratio, the fraction of
+    answers agreeing with reprefill against the ratio (both with 95% CI bands), and mean KL
+    against warm merge time as a fraction of reprefill's (log scale). ``naive`` and
+    ``rerotate`` are the dashed references; the dotted line is 10% of rerotate's KL (the gap).
+
+    Parameters
+    ----------
+    ci : dict
+        ``(label, metric) -> CI`` for metrics ``"kl"``, ``"agree"`` and ``"em"``; labels are
+        ``"naive"``, ``"rerotate"``, ``"reprefill"`` and ``f"{policy} r={ratio:g}"``.
+    cost : dict
+        label -> warm merge time as a fraction of reprefill's.
+    """
+    gap, n = ci["rerotate", "kl"].mean, ci["rerotate", "kl"].n
+    fig, axes = plt.subplots(1, 3, figsize=(15, 3.9), constrained_layout=True)
+    for i, policy in enumerate(policies):
+        c = f"C{i}"
+        kl = [ci[_recompute_label(policy, r), "kl"] for r in ratios]
+        ag = [ci[_recompute_label(policy, r), "agree"] for r in ratios]
+        for ax, vals in ((axes[0], kl), (axes[1], ag)):
+            ax.plot(ratios, [v.mean for v in vals], "o-", color=c, label=policy)
+            ax.fill_between(ratios, [v.lo for v in vals], [v.hi for v in vals], color=c, alpha=0.15)
+        costs = [cost[_recompute_label(policy, r)] for r in ratios]
+        yerr = [[k.mean - k.lo for k in kl], [k.hi - k.mean for k in kl]]
+        axes[2].errorbar(costs, [k.mean for k in kl], yerr=yerr, fmt="o-", color=c, capsize=3, label=policy)
+    for name, colour in (("naive", "C3"), ("rerotate", "k")):
+        axes[0].axhline(ci[name, "kl"].mean, color=colour, ls="--", label=name)
+        axes[1].axhline(ci[name, "agree"].mean, color=colour, ls="--", label=name)
+        axes[2].plot([cost[name]], [ci[name, "kl"].mean], "s", color=colour, label=name)
+    for ax in (axes[0], axes[2]):
+        ax.axhline(0.1 * gap, color="0.5", ls=":", label="10% of the gap")
+    axes[1].axhline(ci["reprefill", "em"].mean, color="C2", ls=":", label="reprefill exact match (ceiling)")
+    axes[0].set(
+        xlabel="recompute ratio r (fraction of tokens)",
+        ylabel="mean next-token KL (nats)",
+        title=f"{model_name}: KL vs ratio, 95% CI (n={n})",
+    )
+    axes[1].set(
+        xlabel="recompute ratio r (fraction of tokens)",
+        ylabel="answers agreeing with reprefill (fraction)",
+        title=f"{model_name}: answer agreement, 95% CI",
+        ylim=(-0.05, 1.05),
+    )
+    axes[2].set(
+        xscale="log",
+        xlabel="warm merge time (fraction of reprefill)",
+        ylabel="mean next-token KL (nats)",
+        title=f"{model_name}: KL vs measured cost (reprefill = 1, KL 0)",
+    )
+    for ax in axes:
+        ax.legend(fontsize=7)
+    return fig
+
+
+def engine_merge_kl(rows: list, model_name: str) -> Figure:
+    """Next-token KL (nats) of each merge against its engine's joined prefill, as bars with 95% CI.
+
+    Parameters
+    ----------
+    rows : list
+        :class:`kvlab.peers.compare.MergeRow` s (``engine``, ``method``, ``reference``,
+        ``kl_mean``, ``kl_ci``); the rows against the joined prefill and the engines' own
+        joined-prefill comparison (engine ``"both"``) are drawn.
+    """
+    shown = [r for r in rows if r.reference == "joined" or r.engine == "both"]
+    fig, ax = plt.subplots(figsize=(8, 3.2))
+    x = np.arange(len(shown))
+    err = np.array([[r.kl_mean - r.kl_ci[0], r.kl_ci[1] - r.kl_mean] for r in shown]).T
+    colours = {"llama.cpp": "tab:orange", "kvlab": "tab:blue"}
+    ax.bar(x, [r.kl_mean for r in shown], yerr=err, color=[colours.get(r.engine, "tab:gray") for r in shown], capsize=3)
+    ax.set_xticks(x, [f"{r.engine}\n{r.method}" for r in shown], fontsize=8)
+    ax.set_xlabel("engine / merge method")
+    ax.set_ylabel("next-token KL vs joined prefill (nats)")
+    ax.set_title(f"{model_name}: merges in llama.cpp (orange) and kvlab (blue); grey: engines' joined prefills")
+    fig.tight_layout()
+    return fig
+
+
+def long_context_phase(
+    profile: list, landings: list[int], total: int, model_name: str, fragment_tokens: int, window: int | None = None
+) -> Figure:
+    """Mean phase error (radians) against position of a naive and a re-rotated merge, per layer type.
+
+    Parameters
+    ----------
+    profile : list
+        :class:`kvlab.findings.longctx.PhaseProfile` s, one per layer type.
+    landings : list of int
+        First position of each fragment (grey lines).
+    total : int
+        Tokens in the merge; with a sliding ``window`` the positions its layers keep are shaded.
+    fragment_tokens : int
+        The passages' length cap (for the title).
+    """
+    fig, ax = plt.subplots(figsize=(12, 3.8), constrained_layout=True)
+    for p in profile:
+        ax.plot(p.positions, p.naive, lw=0.9, label=f"naive, {p.layer_type}")
+        ax.plot(p.positions, p.rerotate, lw=0.9, ls="--", label=f"rerotate, {p.layer_type}")
+    for a in landings[1:]:
+        ax.axvline(a, color="0.8", lw=0.6)
+    if window is not None and total > window - 1:
+        ax.axvspan(
+            total - (window - 1), total, color="C2", alpha=0.08, label=f"kept by sliding layers (last {window - 1})"
+        )
+    ax.set(
+        xlabel="position in the merged cache (tokens)",
+        ylabel="mean phase error (rad)",
+        title=f"{model_name}: phase error vs position, {len(landings)} fragments of ≤{fragment_tokens} tokens "
+        "(grey: fragment starts)",
+    )
+    ax.legend(fontsize=8)
+    return fig
+
+
+def _errorbar(ax, x, cis: list, **kw) -> None:
+    y = np.array([c.mean for c in cis])
+    ax.errorbar(x, y, yerr=np.array([[c.mean - c.lo for c in cis], [c.hi - c.mean for c in cis]]), capsize=3, **kw)
+
+
+def long_context_answers(
+    summary: list[dict], by_offset: list[dict], strategies: list[str], model_name: str, fragment_tokens: int
+) -> Figure:
+    """KL and answer agreement against fragment count, and agreement by landing offset (95% CI).
+
+    Parameters
+    ----------
+    summary : list of dict
+        :func:`kvlab.findings.longctx.summarize` rows by (``n_fragments``, ``strategy``), each
+        with ``kl`` and ``agree`` CIs.
+    by_offset : list of dict
+        The same at the largest fragment count, by (``answer_offset``, ``strategy``).
+    strategies : list of str
+        In drawing order; points of a strategy are nudged sideways so the intervals do not overlap.
+    """
+    counts = sorted({r["n_fragments"] for r in summary})
+    offsets = sorted({r["answer_offset"] for r in by_offset})
+    fig, axes = plt.subplots(1, 3, figsize=(15, 3.8), constrained_layout=True)
+    for i, s in enumerate(strategies):
+        pts = sorted(((r["n_fragments"], r) for r in summary if r["strategy"] == s), key=lambda p: p[0])
+        x = np.array([p[0] for p in pts]) + (i - 1.5) * 0.05
+        for ax, m in zip(axes[:2], ("kl", "agree")):
+            _errorbar(ax, x, [p[1][m] for p in pts], fmt="o-", label=s)
+        po = sorted(((r["answer_offset"], r) for r in by_offset if r["strategy"] == s), key=lambda p: p[0])
+        xo = np.array([p[0] for p in po]) + (i - 1.5) * 0.01 * max(offsets + [1])
+        _errorbar(axes[2], xo, [p[1]["agree"] for p in po], fmt="o", label=s)
+    axes[0].set(
+        xlabel=f"fragments of ≤{fragment_tokens} tokens",
+        ylabel="next-token KL vs joined prefill (nats)",
+        title=f"{model_name}: KL vs fragment count (95% CI)",
+        xticks=counts,
+    )
+    axes[1].set(
+        xlabel=f"fragments of ≤{fragment_tokens} tokens",
+        ylabel="agreement with reprefill (fraction)",
+        title=f"{model_name}: answers unchanged (95% CI)",
+        xticks=counts,
+        ylim=(-0.05, 1.05),
+    )
+    axes[2].set(
+        xlabel="landing offset of the answer's passage (tokens)",
+        ylabel="agreement with reprefill (fraction)",
+        title=f"{model_name}: by offset, {max(counts)} fragments",
+        ylim=(-0.05, 1.05),
+    )
+    axes[0].legend(fontsize=8)
+    return fig

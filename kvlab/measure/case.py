@@ -19,12 +19,20 @@ from kvlab.cache.merge import landing_positions
 from kvlab.measure.references import context_reference, phase_reference, read_probe
 from kvlab.models.loaded import LoadedModel
 
-DEFAULT_TEXTS = [
+#: The Skerry Island story: four sentences, each a fragment (the first carries BOS). The
+#: notebooks merge them (``texts = None`` in a parameters cell means these), and
+#: :data:`DEFAULT_TEXTS` is their first two.
+STORY_TEXTS = (
     "The lighthouse keeper on Skerry Island logged every passing ship in a blue ledger, "
     "and in the winter of 1911 he counted forty-two of them.",
     " His daughter Maren later moved the ledger to the harbour museum in Bergen, where it "
     "is kept in a glass case beside the old lamp.",
-]
+    " Visitors can still read the last entry, written in pencil: a steamer named Aurora, "
+    "bound for Hull with a cargo of timber.",
+    " The museum opens at ten every morning except Mondays, and the ledger room is on the second floor.",
+)
+#: The two-sentence case ``kvlab check`` and the explorer start from.
+DEFAULT_TEXTS = list(STORY_TEXTS[:2])
 DEFAULT_PROBES = [
     " The ledger is now kept in the city of",
     " The keeper counted ships in a ledger that was coloured",

@@ -3,7 +3,9 @@ the explorer redraws when its widgets change. (`make test` also runs nbval on th
 
 from __future__ import annotations
 
+import ast
 import json
+import re
 from pathlib import Path
 
 import papermill as pm
@@ -31,6 +33,101 @@ def test_every_notebook_has_question_parameters_conclusions_and_a_finding():
             for o in c.get("outputs", []):
                 assert o.get("name") != "stderr", f"{name} stores stderr output: {''.join(o.get('text', ''))[:200]}"
                 assert o["output_type"] != "error", name
+
+
+MAX_CELL_LINES = 25
+HAND_BUILT = re.compile(r"\b(phase_reference|context_reference)\(")
+
+
+def blanket_filters(source: str) -> list[str]:
+    """``filterwarnings("ignore")`` / ``simplefilter("ignore")`` calls in ``source`` that name no message or category."""
+    code = "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in source.splitlines())
+    found = []
+    for node in ast.walk(ast.parse(code)):
+        if not isinstance(node, ast.Call):
+            continue
+        name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+        # The positions of message and category: filterwarnings(action, message, category, ...),
+        # simplefilter(action, category, ...).
+        named = {"filterwarnings": ("message", "category"), "simplefilter": ("category",)}.get(name)
+        if named is None:
+            continue
+        keywords = {k.arg: k.value for k in node.keywords}
+        action = node.args[0] if node.args else keywords.get("action")
+        if not (isinstance(action, ast.Constant) and action.value == "ignore"):
+            continue
+        if len(node.args) <= 1 and not set(keywords) & set(named):
+            found.append(ast.unparse(node))
+    return found
+
+
+def test_blanket_filters_are_recognised():
+    assert blanket_filters('%matplotlib inline\nimport warnings\nwarnings.filterwarnings("ignore")') == [
+        "warnings.filterwarnings('ignore')"
+    ]
+    assert blanket_filters('simplefilter("ignore")\nwarnings.simplefilter(action="ignore")') == [
+        "simplefilter('ignore')",
+        "warnings.simplefilter(action='ignore')",
+    ]
+    assert blanket_filters('warnings.filterwarnings("ignore", module="x")') == [
+        "warnings.filterwarnings('ignore', module='x')"
+    ]
+    assert blanket_filters('warnings.filterwarnings("ignore", message="x")') == []
+    assert blanket_filters('warnings.filterwarnings("ignore", "x")') == []
+    assert blanket_filters('warnings.simplefilter("ignore", FutureWarning)') == []
+    assert blanket_filters('warnings.simplefilter("default")') == []
+
+
+def test_notebook_cells_are_thin():
+    # Set-up, inputs and figures live in kvlab (kvlab.lab.setup, kvlab.Case, kvlab.lab.plots): a
+    # notebook cell holds the steps of its question, not their machinery.
+    for name, path in notebooks().items():
+        for i, cell in enumerate(json.loads(path.read_text())["cells"]):
+            if cell["cell_type"] != "code":
+                continue
+            source = "".join(cell["source"])
+            where = f"{name} code cell {i}"
+            assert len(source.splitlines()) <= MAX_CELL_LINES, (
+                f"{where} has {len(source.splitlines())} lines (at most {MAX_CELL_LINES}): split it, or move "
+                "its machinery into kvlab"
+            )
+            assert blanket_filters(source) == [], (
+                f"{where} silences every warning ({blanket_filters(source)}); kvlab.lab.setup filters the known "
+                "noise by message and category"
+            )
+            assert not HAND_BUILT.search(source), (
+                f"{where} builds a reference by hand; use kvlab.Case (case.phase, case.context)"
+            )
+        sources = ["".join(c["source"]) for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
+        assert any("setup(seed)" in s for s in sources), f"{name} never calls kvlab.lab.setup(seed)"
+
+
+def test_setup_seeds_and_silences_only_the_known_noise():
+    import random
+    import warnings
+
+    import numpy as np
+    import torch
+    from transformers.utils import logging as tf_logging
+
+    import kvlab
+    from kvlab.lab import NOTEBOOK_NOISE, setup
+
+    for message, category, _ in NOTEBOOK_NOISE:
+        assert message and issubclass(category, Warning) and category is not Warning, (message, category)
+    verbosity, bars = tf_logging.get_verbosity(), tf_logging.is_progress_bar_enabled()
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            setup(3)
+            drawn = (random.random(), float(np.random.rand()), float(torch.rand(())))
+            setup(3)
+            assert drawn == (random.random(), float(np.random.rand()), float(torch.rand(())))
+            warnings.warn("loaded with strict=False", kvlab.CacheFileWarning, stacklevel=1)
+            warnings.warn("something new", UserWarning, stacklevel=1)
+        assert [str(w.message) for w in seen] == ["loaded with strict=False", "something new"]
+    finally:
+        tf_logging.set_verbosity(verbosity)
+        (tf_logging.enable_progress_bar if bars else tf_logging.disable_progress_bar)()
 
 
 TEXTS = [
