@@ -1,10 +1,9 @@
 """Cache files against a model: save a Fragment with its producer's fingerprint, load it into a reader.
 
-The file format itself (a safetensors container with a kvlab header, digests, the
-refusal of pickles and other formats) is :mod:`kvlab.files.format`; this module checks a
-cache against the model that made it before saving, and a file against the model that
-reads it before loading: fingerprint, geometry, positions and vocabulary, then the digest
-of every tensor as it lands in the new cache. Nothing here unpickles, ever.
+The format itself is :mod:`kvlab.files.format`. Before saving, the cache is checked against
+the model that made it; before loading, the file against the model that reads it
+(fingerprint, geometry, positions, vocabulary), then every tensor's digest as it lands in
+the new cache. Nothing here unpickles.
 """
 
 from __future__ import annotations
