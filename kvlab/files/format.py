@@ -17,6 +17,7 @@ import math
 import os
 import re
 import stat
+import sys
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -380,9 +381,27 @@ def header_schema() -> dict:
     return json.loads(resources.files("kvlab.files").joinpath("header.schema.json").read_text("utf-8"))
 
 
+def _import_jsonschema():
+    if "jsonschema" in sys.modules or "rfc3987_syntax" in sys.modules:
+        import jsonschema
+
+        return jsonschema
+    # jsonschema imports rfc3987_syntax where it is installed (Jupyter's extras install it),
+    # for its "iri" format, and that builds a Lark parser on import: 1 to 3 s here, longer than
+    # everything else a cache read costs. kvlab checks no formats, so the import is held back
+    # while jsonschema loads (it then only lacks the "iri" format checker) and allowed after.
+    sys.modules["rfc3987_syntax"] = None
+    try:
+        import jsonschema
+    finally:
+        del sys.modules["rfc3987_syntax"]
+    return jsonschema
+
+
 @functools.cache
 def _validator():
-    from jsonschema import Draft202012Validator, validators
+    jsonschema = _import_jsonschema()
+    Draft202012Validator, validators = jsonschema.Draft202012Validator, jsonschema.validators
 
     # JSON Schema calls 1.0 an integer; a header is written by json.dumps, so a count or a
     # shape written with a fraction, or as true, is not kvlab's.
