@@ -247,7 +247,8 @@ def _sweep(args) -> int:
 MODEL_HELP = "a kvlab model name (kvlab models), a Hugging Face model folder or a .gguf file"
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The ``kvlab`` argument parser, every subcommand with its options."""
     from kvlab.models.loaded import DEFAULT_MODEL
 
     parser = argparse.ArgumentParser(prog="kvlab", description="Is a merged or reloaded KV cache still right?")
@@ -310,7 +311,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry-run", action="store_true", help="list the grid and what would run; run nothing")
     p.add_argument("--out", default=None, metavar="DIR", help="output folder (overrides the study's)")
     p.set_defaults(func=_sweep)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(parser().parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run parsed arguments; a refusal (a :class:`kvlab.KvlabError`) is printed and exits 2."""
     from kvlab.errors import KvlabError
 
     try:

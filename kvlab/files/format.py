@@ -40,6 +40,17 @@ TENSOR_DIGEST = "xxh3-128"
 DIGEST_HEX = 32
 #: Headers longer than this are refused before being parsed (safetensors itself allows 100 MB).
 MAX_HEADER_BYTES = 64 << 20
+#: A header may also be at most this plus an eighth of the tensor data it describes. Parsed,
+#: JSON takes up to ~20x its size in Python objects ("[[],[]...]"); a header that is small
+#: beside its data keeps a read within a few times the file's size. A real cache's header is
+#: ~1-2 kB plus ~10-60 bytes a token, against >= 2 kB of keys and values a token.
+HEADER_FLOOR = 256 << 10
+
+
+def header_allowance(data_bytes: int) -> int:
+    """The longest header kvlab reads (or writes) before ``data_bytes`` of tensor data."""
+    return min(MAX_HEADER_BYTES, HEADER_FLOOR + data_bytes // 8)
+
 
 #: The safetensors dtypes a KV cache may hold, and their torch dtypes.
 ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -101,10 +112,24 @@ def write_container(path: Path, tensors: list[tuple[str, torch.Tensor]], header:
     try:
         with atomic_path(path) as tmp:
             save_file({name: t.detach().contiguous() for name, t in tensors}, str(tmp), metadata=meta)
+            _check_written(tmp, path)
     except OSError as e:
         raise CacheFileError(f"cannot write {path}: {e.strerror or e}") from e
     except SafetensorError as e:
         raise CacheFileError(f"cannot write {path}: {e}") from e
+
+
+def _check_written(tmp: Path, path: Path) -> None:
+    # Never write what open_container refuses: a header too long for its data (a long text
+    # beside few, small tensors) is refused here, before the rename, and the old file kept.
+    with open(tmp, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+    data = tmp.stat().st_size - 8 - n
+    if n > header_allowance(data):
+        raise CacheFileError(
+            f"refusing to save {path}: its header would be {n} bytes for {data} bytes of tensors, more than "
+            f"load_cache reads ({HEADER_FLOOR >> 10} KiB plus an eighth of the data); store long texts elsewhere"
+        )
 
 
 # --------------------------------------------------------------------------- reading
@@ -186,6 +211,11 @@ def open_container(path) -> Container:
         )
     if n > MAX_HEADER_BYTES:
         raise CacheFileError(f"{path}: the header is {n} bytes, more than the {MAX_HEADER_BYTES} kvlab reads")
+    if n > header_allowance(size - 8 - n):
+        raise CacheFileError(
+            f"{path}: the header is {n} bytes for {size - 8 - n} bytes of tensor data, more than a cache's header "
+            f"takes (kvlab reads at most {HEADER_FLOOR >> 10} KiB plus an eighth of the data): corrupt{hint}"
+        )
     handle = _safe_open(path, hint)
     try:
         names = handle.keys()
