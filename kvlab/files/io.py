@@ -231,6 +231,9 @@ def _plain_layout(box: Container, model: LoadedModel) -> Layout:
                 "values": v,
             }
         )
+    batches = sorted({L["keys"][0] for L in layers})
+    if len(batches) != 1:  # a kvlab header is held to one batch size (validate_header); so is a plain dump
+        raise CacheFileError(f"{path}: its layers hold different batch sizes {batches}: not one KV cache")
     full = {L["kept"] for L in layers if L["type"] == "full_attention"}
     if len(full) > 1:
         raise CacheFileError(f"{path}: full-attention layers hold different token counts {sorted(full)}")
