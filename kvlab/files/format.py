@@ -44,7 +44,7 @@ MAX_HEADER_BYTES = 64 << 20
 #: JSON takes up to ~20x its size in Python objects ("[[],[]...]"); a header that is small
 #: beside its data keeps a read within a few times the file's size. A real cache's header is
 #: ~1-2 kB plus ~10-60 bytes a token, against >= 2 kB of keys and values a token.
-HEADER_FLOOR = 256 << 10
+HEADER_FLOOR = 128 << 10
 
 
 def header_allowance(data_bytes: int) -> int:

@@ -208,7 +208,7 @@ def _plain_layout(box: Container, model: LoadedModel) -> Layout:
     if not got or sorted(got) != sorted(names):
         raise CacheFileError(
             f"{path} has no kvlab header and its tensors are not named layers.<i>.keys / "
-            f"layers.<i>.values (found {', '.join(sorted(got)[:4]) or 'none'}): not a KV cache"
+            f"layers.<i>.values (found {', '.join(map(repr, sorted(got)[:4])) or 'none'}): not a KV cache"
         )
     dtypes = {e.dtype for e in got.values()}
     if len(dtypes) != 1:
