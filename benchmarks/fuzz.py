@@ -262,6 +262,7 @@ SEMANTIC = st.one_of(
     st.tuples(st.just("batch"), st.integers(2, 3)),
     st.tuples(st.just("batch_layer"), POS, st.integers(2, 3)),
     st.tuples(st.just("retype"), st.sampled_from(["F64", "F32", "F16", "BF16"])),
+    st.tuples(st.just("retype_layer"), POS, st.sampled_from(["F64", "F16", "BF16"])),
     st.tuples(st.just("drop_layer"), POS),
     st.tuples(st.just("heads"), st.sampled_from([2, 4])),
     st.tuples(st.just("swap"), POS),
@@ -491,6 +492,10 @@ def apply_semantic(seed: Seed, tensors: dict, inner, op) -> list[str] | None:
             tensors[name] = tensors[name].to(ST_TORCH[op[1]])
         if isinstance(inner, dict):
             inner["dtype"] = str(ST_TORCH[op[1]]).removeprefix("torch.")
+    elif kind == "retype_layer":  # one layer in another dtype than the header's and the others'
+        i = op[1] * n_layers // 10**6
+        for w in ("keys", "values"):
+            tensors[f"layers.{i}.{w}"] = tensors[f"layers.{i}.{w}"].to(ST_TORCH[op[2]])
     elif kind == "drop_layer":
         i = op[1] * n_layers // 10**6
         moved = {}
