@@ -27,11 +27,16 @@ __all__ = [
     "fsync_dir",
     "remove_stale",
     "stale_temporaries",
+    "temporary_of",
 ]
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 #: ``.<target>.<pid>.<8 hex>.tmp``: the one temporary name every kvlab write uses.
 _TEMP = re.compile(r"^\.(?P<target>.+)\.(?P<pid>\d+)\.[0-9a-f]{8}\.tmp$")
+#: Names of the temporaries this process has open. A process id is reused, across a container's
+#: restarts above all (the same program often gets the same pid), so a temporary carrying this
+#: process's own id is live only if this process made it.
+_OURS: set[str] = set()
 
 
 @functools.cache
@@ -52,9 +57,15 @@ def _temp_name(path: Path) -> Path:
     return path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
 
 
-def _alive(pid: int) -> bool:
+def temporary_of(path: Path) -> tuple[str, int] | None:
+    """``(target name, writer's process id)`` if ``path`` is named as a kvlab temporary, else ``None``."""
+    m = _TEMP.match(Path(path).name)
+    return (m["target"], int(m["pid"])) if m else None
+
+
+def _alive(pid: int, name: str) -> bool:
     if pid == os.getpid():
-        return True
+        return name in _OURS
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -76,7 +87,7 @@ def stale_temporaries(folder: Path, target: str | None = None) -> list[Path]:
         return []
     for p in entries:
         m = _TEMP.match(p.name)
-        if m and (target is None or m["target"] == target) and not _alive(int(m["pid"])):
+        if m and (target is None or m["target"] == target) and not _alive(int(m["pid"]), p.name):
             out.append(p)
     return sorted(out)
 
@@ -118,15 +129,19 @@ def atomic_path(path: Path, *, mode: int | None = None) -> Iterator[Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale(path)
     tmp = _temp_name(path)
-    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _CLOEXEC, 0o600))
+    _OURS.add(tmp.name)
     try:
-        yield tmp
-        _fsync(tmp)
-        os.chmod(tmp, default_mode() if mode is None else mode)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _CLOEXEC, 0o600))
+        try:
+            yield tmp
+            _fsync(tmp)
+            os.chmod(tmp, default_mode() if mode is None else mode)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+    finally:
+        _OURS.discard(tmp.name)
     fsync_dir(path.parent)
 
 
@@ -154,8 +169,9 @@ def atomic_dir(path: Path) -> Iterator[Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale(path)
     tmp = _temp_name(path)
-    tmp.mkdir()
+    _OURS.add(tmp.name)
     try:
+        tmp.mkdir()
         yield tmp
         for p in tmp.rglob("*"):
             if p.is_file():
@@ -167,6 +183,7 @@ def atomic_dir(path: Path) -> Iterator[Path]:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        _OURS.discard(tmp.name)
     fsync_dir(path.parent)
 
 

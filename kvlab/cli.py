@@ -61,19 +61,25 @@ def _mismatch(args) -> int:
     return 0
 
 
+def _size(n: int) -> str:
+    return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
+
+
 def _inspect(args) -> int:
     from pathlib import Path
 
+    from kvlab.atomic import stale_temporaries
     from kvlab.files.format import read_header, verify_file
     from kvlab.files.identity import show
     from kvlab.files.io import load_cache
     from kvlab.models.sources import load_model
 
     path = Path(args.file)
+    if path.is_dir():
+        return _inspect_folder(path, args.model)
     # With a model, load_cache checks the tensor digests itself: read the file once.
     h = read_header(path) if args.model else verify_file(path)
-    n = path.stat().st_size
-    size = f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
+    size = _size(path.stat().st_size)
     if h is None:
         print(
             f"{path} ({size}): a safetensors file with no kvlab header: no producer fingerprint, no "
@@ -84,14 +90,18 @@ def _inspect(args) -> int:
     layers = h["layers"]
     text = h["text"]
     print(f"{path} ({size}): kvlab cache, format {h['format_version']}")
+    # The header's strings are the file's: printed with !r or show() where a terminal may not take them.
     if p:
         print(
-            f"  made by    {h['model_name']}: {p.get('source')}, {p.get('architecture')}, {p.get('dtype')}, "
-            f"quantization {p.get('quantization')}"
+            f"  made by    {_printable(h['model_name'])}: {_printable(p.get('source'))}, "
+            f"{_printable(p.get('architecture'))}, {_printable(p.get('dtype'))}, "
+            f"quantization {_printable(p.get('quantization'))}"
         )
-        print(f"  weights    {p.get('weights_sha256')}")
+        print(f"  weights    {_printable(p.get('weights_sha256'))}")
     else:
-        print(f"  made by    {h['model_name']} (no producer fingerprint: load_cache needs allow_unverified=True)")
+        print(
+            f"  made by    {_printable(h['model_name'])} (no producer fingerprint: load_cache needs allow_unverified=True)"
+        )
     print(
         f"  tokens     {h['length']} at positions {h['start']}..{h['start'] + h['length'] - 1}"
         + ("" if h["token_ids"] is not None else " (token ids not stored)")
@@ -107,7 +117,75 @@ def _inspect(args) -> int:
     print(f"  tensors    all {2 * len(layers)} match their {h['tensor_digest']} digests")
     if args.model:
         print(f"  loads into {model.name}: yes, every strict fingerprint field matches")
+    stale = stale_temporaries(path.parent, path.name)
+    if stale:
+        print(
+            f"  left over  {len(stale)} temporary file(s) of a save that died: {', '.join(p.name for p in stale)}; "
+            "the next save of this file removes them"
+        )
     return 0
+
+
+def _printable(x) -> str:
+    """A header string as a terminal can show it: as is when it encodes, else escaped."""
+    s = str(x)
+    try:
+        s.encode(sys.stdout.encoding or "utf-8")
+    except (UnicodeEncodeError, LookupError):
+        return ascii(s)
+    return s if s.isprintable() else ascii(s)
+
+
+def _inspect_folder(folder, model_name: str | None) -> int:
+    """List the cache files of a folder, whether each is intact, and the temporaries of saves that died."""
+    import datetime
+
+    from kvlab.atomic import stale_temporaries, temporary_of
+    from kvlab.errors import CacheFileError, FingerprintMismatch
+    from kvlab.files.format import read_header, verify_file
+    from kvlab.files.io import load_cache
+    from kvlab.models.sources import load_model
+
+    model = load_model(model_name) if model_name else None
+    files = sorted(p for p in folder.iterdir() if not p.name.startswith(".") and p.is_file())
+    rows, other, trouble = [], 0, 0
+    for p in files:
+        try:
+            h = read_header(p) if model else verify_file(p)
+            if model and h is not None:
+                load_cache(p, model)
+        except (CacheFileError, FingerprintMismatch) as e:
+            # A file that is not a cache at all is not listed, unless its name says it should be one.
+            if isinstance(e, CacheFileError) and p.suffix not in (".kvcache", ".safetensors") and model is None:
+                other += 1
+                continue
+            why = str(e).removeprefix(str(p)).removeprefix(": ").strip()
+            rows.append((p, f"{type(e).__name__}: {_printable(why[:300])}"))
+            trouble += 1
+            continue
+        if h is None:
+            rows.append((p, "safetensors, no kvlab header: load_cache needs allow_unverified=True"))
+            trouble += 1
+            continue
+        made = f"{_printable(h['model_name'])}, {h['length']} tokens at {h['start']}, {len(h['layers'])} layers, {h['dtype']}"
+        rows.append((p, f"{made}: " + (f"intact, loads into {model.name}" if model else "intact")))
+    stale = stale_temporaries(folder)
+    caches = sum(1 for _, what in rows if "intact" in what)
+    print(
+        f"{folder}: {caches} intact cache file(s), {len(rows) - caches} with a problem, "
+        f"{len(stale)} temporary file(s) left by saves that died" + (f", {other} other file(s)" if other else "")
+    )
+    width = max((len(p.name) for p, _ in rows), default=0)
+    for p, what in rows:
+        print(f"  {_printable(p.name):<{width}}  {_size(p.stat().st_size):>9}  {what}")
+    if stale:
+        print("  left by saves that died (the next save of the same file removes them; or delete them):")
+    for t in stale:
+        target, pid = temporary_of(t)
+        when = datetime.datetime.fromtimestamp(t.lstat().st_mtime).strftime("%Y-%m-%d %H:%M")
+        size = _size(t.lstat().st_size) if t.is_file() else "a folder"
+        print(f"    {_printable(t.name)}  {size}  {when}: a save of {_printable(target)} by process {pid}, now gone")
+    return 1 if trouble or stale else 0
 
 
 def _peers(args) -> int:
@@ -169,7 +247,8 @@ def _sweep(args) -> int:
 MODEL_HELP = "a kvlab model name (kvlab models), a Hugging Face model folder or a .gguf file"
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The ``kvlab`` argument parser, every subcommand with its options."""
     from kvlab.models.loaded import DEFAULT_MODEL
 
     parser = argparse.ArgumentParser(prog="kvlab", description="Is a merged or reloaded KV cache still right?")
@@ -186,8 +265,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.set_defaults(func=_check)
-    p = sub.add_parser("inspect", help="who made a cache file, and is it intact (optionally: does it fit a model)")
-    p.add_argument("file")
+    p = sub.add_parser(
+        "inspect",
+        help="who made a cache file, and is it intact (optionally: does it fit a model); for a folder, every cache "
+        "file in it and the temporaries of saves that died",
+        description="Exit status 0: intact (for a folder: every cache file intact, nothing left over); 1: no kvlab "
+        "header (for a folder: a file with a problem, or temporaries left by saves that died); 2: refused.",
+    )
+    p.add_argument("file", help="a cache file, or a folder of them")
     p.add_argument(
         "--model", default=None, help="also load it into this model, refusing any fingerprint mismatch; " + MODEL_HELP
     )
@@ -226,7 +311,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry-run", action="store_true", help="list the grid and what would run; run nothing")
     p.add_argument("--out", default=None, metavar="DIR", help="output folder (overrides the study's)")
     p.set_defaults(func=_sweep)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(parser().parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run parsed arguments; a refusal (a :class:`kvlab.KvlabError`) is printed and exits 2."""
     from kvlab.errors import KvlabError
 
     try:

@@ -1,62 +1,27 @@
 """The cache-file format: a safetensors container with a kvlab header, and nothing about models.
 
-A cache file is a plain safetensors file, written and read by the ``safetensors``
-library (``save_file`` with ``metadata``, ``safe_open``); any safetensors reader opens it.
-Its tensors are ``layers.<i>.keys`` and ``layers.<i>.values``, ``[batch, kv_heads, kept,
-head_dim]``; its ``__metadata__`` holds exactly two strings: ``kvlab`` (the kvlab header
-as JSON) and ``kvlab_sha256`` (the sha256 of that JSON text).
-
-The kvlab header (``format_version`` 2) holds ``format``, ``format_version``,
-``producer`` (the :func:`kvlab.fingerprint` of the model that made the cache),
-``model_name``, ``start``, ``length``, ``dtype``, ``layers`` (per layer: ``type``,
-``window``, ``kept`` and the key and value shapes), ``token_ids``, ``text``,
-``tensor_digest`` (the algorithm, ``xxh3-128``), ``tensors`` (that digest of each
-tensor's bytes) and ``content_digest`` (the same algorithm over the name/digest lines).
-
-What kvlab adds on top of the library, and why
-----------------------------------------------
-* The header and its checks (:func:`validate_header`, :func:`check_tensors`): the library
-  guarantees a well-formed container (header length, JSON, dtypes, offsets that tile the
-  data exactly, its own 100 MB header limit); kvlab checks that the tensors are exactly
-  the ones its header describes, with its shapes and dtype.
-* Digests. Why XXH3-128 and not sha256 for the tensor data: the digests guard against
-  corruption (a flipped bit, a truncated copy, a file edited by hand), and for that a
-  128-bit non-cryptographic hash is as good as sha256 while running about ten times faster
-  (5 ms against 53 ms for a 94 MB cache here; ``benchmarks/cachefile.py``). Neither would
-  stop a deliberate forger: the digest travels in the same file, so whoever edits the data
-  can rewrite it too. Authenticating a file needs a signature over it, which kvlab does not
-  claim to provide. The small kvlab header keeps its own sha256.
-* Refusing other formats before the library sees them (:func:`refuse_foreign`): a pickle
-  (a MemOS dump, a ``torch.save`` archive) is recognised by its first bytes and refused,
-  never unpickled. kvlab also reads the 8-byte header length itself, only to say
-  "empty", "shorter than 8 bytes", "past the end of the file" or "more than kvlab reads"
-  in its own words; everything after those 8 bytes is the library's to parse, and a
-  container the library refuses becomes a :class:`kvlab.CacheFileError` naming the file,
-  what is wrong in kvlab's words, and the library's own message.
-* Atomic writes (:func:`kvlab.atomic.atomic_path`): the library writes to a temporary
-  name beside the target, which is then fsynced and renamed over it. The digests are
-  computed in a pass of their own before the library writes (it takes a file name, not a
-  stream, so a tensor can no longer be hashed while it is in the CPU's caches for its
-  write): ``save_cache`` measured 1.32-1.59x a raw ``save_file`` against 0.89-1.29x for
-  the hand-written writer (``benchmarks/cachefile.py --repeats 5``, two runs each, both
-  malloc settings, on a shared 2-core VM), inside the 2x target. Loading is unchanged in
-  kind: the library maps the file, and the cache copies each tensor once.
-
-No hand-written container code is left: the byte-for-byte comparison of the outer header
-with kvlab's own encoding (the old reader's guard against edits that still parse) is
-gone, because the library writes ``__metadata__`` from a hash map in no fixed order. What
-it guarded is covered elsewhere: the kvlab header by its sha256, the tensor names, shapes
-and dtypes by :func:`check_tensors`, and their bytes by the per-tensor digests.
+Tensors ``layers.<i>.keys`` / ``layers.<i>.values`` ``[batch, kv_heads, kept, head_dim]``;
+``__metadata__`` holds the kvlab header as JSON (``kvlab``, its fields described by
+``header.schema.json``) and that text's sha256 (``kvlab_sha256``). The safetensors library
+writes and parses the container; kvlab refuses pickles and other formats before it does,
+checks the header (its schema, then the fields against each other and against the tensors)
+and the XXH3-128 digest of every tensor. Why it is built so: ``docs/cache-file-format.md``.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import math
 import os
+import re
 import stat
+import sys
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 import torch
@@ -67,7 +32,6 @@ from safetensors.torch import save_file
 from kvlab.atomic import atomic_path
 from kvlab.errors import CacheFileError
 from kvlab.files.identity import tensor_bytes
-from kvlab.models.digests import HEX
 
 FORMAT = "kvlab-kv-cache"
 FORMAT_VERSION = 2
@@ -76,29 +40,24 @@ TENSOR_DIGEST = "xxh3-128"
 DIGEST_HEX = 32
 #: Headers longer than this are refused before being parsed (safetensors itself allows 100 MB).
 MAX_HEADER_BYTES = 64 << 20
+#: A header may also be at most this plus an eighth of the tensor data it describes. Parsed,
+#: JSON takes up to ~20x its size in Python objects ("[[],[]...]"); a header that is small
+#: beside its data keeps a read within a few times the file's size. A real cache's header is
+#: ~1-2 kB plus ~10-60 bytes a token, against >= 2 kB of keys and values a token.
+HEADER_FLOOR = 128 << 10
+
+
+def header_allowance(data_bytes: int) -> int:
+    """The longest header kvlab reads (or writes) before ``data_bytes`` of tensor data."""
+    return min(MAX_HEADER_BYTES, HEADER_FLOOR + data_bytes // 8)
+
 
 #: The safetensors dtypes a KV cache may hold, and their torch dtypes.
 ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 ST_NAME = {v: k for k, v in ST_DTYPES.items()}
 TORCH_DTYPES = {str(v).removeprefix("torch."): v for v in ST_DTYPES.values()}
-HEADER_FIELDS = (
-    "format",
-    "format_version",
-    "producer",
-    "model_name",
-    "start",
-    "length",
-    "dtype",
-    "layers",
-    "token_ids",
-    "text",
-    "tensor_digest",
-    "tensors",
-    "content_digest",
-)
-LAYER_FIELDS = {"type", "window", "kept", "keys", "values"}
-LAYER_TYPES = ("full_attention", "sliding_attention")
-_MAX_INT = 1 << 53
+#: Layers a header may list (header.schema.json's maxItems): a bound on the time its checks take.
+MAX_LAYERS = 1024
 
 
 def tensor_names(n_layers: int) -> list[str]:
@@ -153,10 +112,24 @@ def write_container(path: Path, tensors: list[tuple[str, torch.Tensor]], header:
     try:
         with atomic_path(path) as tmp:
             save_file({name: t.detach().contiguous() for name, t in tensors}, str(tmp), metadata=meta)
+            _check_written(tmp, path)
     except OSError as e:
         raise CacheFileError(f"cannot write {path}: {e.strerror or e}") from e
     except SafetensorError as e:
         raise CacheFileError(f"cannot write {path}: {e}") from e
+
+
+def _check_written(tmp: Path, path: Path) -> None:
+    # Never write what open_container refuses: a header too long for its data (a long text
+    # beside few, small tensors) is refused here, before the rename, and the old file kept.
+    with open(tmp, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+    data = tmp.stat().st_size - 8 - n
+    if n > header_allowance(data):
+        raise CacheFileError(
+            f"refusing to save {path}: its header would be {n} bytes for {data} bytes of tensors, more than "
+            f"load_cache reads ({HEADER_FLOOR >> 10} KiB plus an eighth of the data); store long texts elsewhere"
+        )
 
 
 # --------------------------------------------------------------------------- reading
@@ -238,10 +211,21 @@ def open_container(path) -> Container:
         )
     if n > MAX_HEADER_BYTES:
         raise CacheFileError(f"{path}: the header is {n} bytes, more than the {MAX_HEADER_BYTES} kvlab reads")
+    if n > header_allowance(size - 8 - n):
+        raise CacheFileError(
+            f"{path}: the header is {n} bytes for {size - 8 - n} bytes of tensor data, more than a cache's header "
+            f"takes (kvlab reads at most {HEADER_FLOOR >> 10} KiB plus an eighth of the data): corrupt{hint}"
+        )
     handle = _safe_open(path, hint)
     try:
+        names = handle.keys()
+        if len(names) > 2 * MAX_LAYERS:  # refused before each entry is read: a bound on the work
+            raise CacheFileError(
+                f"{path} holds {len(names)} tensors, more than the {2 * MAX_LAYERS} of a cache of "
+                f"{MAX_LAYERS} layers, the most kvlab reads"
+            )
         entries = {}
-        for name in handle.keys():
+        for name in names:
             sl = handle.get_slice(name)
             entries[name] = Entry(name, sl.get_dtype(), list(sl.get_shape()))
         for e in entries.values():
@@ -386,13 +370,14 @@ def _loads(text: str, what: str):
         raise _Bad(f"{what} is not valid JSON: {e}") from None
 
 
-def _is_int(x, lo: int = 0, hi: int = _MAX_INT) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and lo <= x < hi
-
-
 def _short(x, limit: int = 80) -> str:
     s = json.dumps(x, default=str) if not isinstance(x, str) else repr(x)
     return s if len(s) <= limit else s[: limit - 1] + "…"
+
+
+def _listed(names, limit: int = 6) -> str:
+    names = list(names)
+    return ", ".join(names[:limit]) + (f" ... ({len(names)} in all)" if len(names) > limit else "")
 
 
 def kvlab_header(meta: dict | None, path: Path) -> dict | None:
@@ -402,7 +387,9 @@ def kvlab_header(meta: dict | None, path: Path) -> dict | None:
     if not ours:
         return None
     if ours != ["kvlab", "kvlab_sha256"] or len(meta) != 2:
-        raise CacheFileError(f"{path}: the metadata must hold exactly kvlab and kvlab_sha256, holds {sorted(meta)}")
+        raise CacheFileError(
+            f"{path}: the metadata must hold exactly kvlab and kvlab_sha256, holds {_listed(map(repr, sorted(meta)))}"
+        )
     text = meta["kvlab"]
     if hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest() != meta["kvlab_sha256"]:
         raise CacheFileError(
@@ -415,93 +402,248 @@ def kvlab_header(meta: dict | None, path: Path) -> dict | None:
     return validate_header(h, path)
 
 
+# --------------------------------------------------------------------------- the header's checks
+
+
+@functools.cache
+def header_schema() -> dict:
+    """The JSON Schema of a kvlab header (``kvlab/files/header.schema.json``)."""
+    return json.loads(resources.files("kvlab.files").joinpath("header.schema.json").read_text("utf-8"))
+
+
+def _import_jsonschema():
+    if "jsonschema" in sys.modules or "rfc3987_syntax" in sys.modules:
+        import jsonschema
+
+        return jsonschema
+    # jsonschema imports rfc3987_syntax where it is installed (Jupyter's extras install it),
+    # for its "iri" format, and that builds a Lark parser on import: 1 to 3 s here, longer than
+    # everything else a cache read costs. kvlab checks no formats, so the import is held back
+    # while jsonschema loads (it then only lacks the "iri" format checker) and allowed after.
+    sys.modules["rfc3987_syntax"] = None
+    try:
+        import jsonschema
+    finally:
+        del sys.modules["rfc3987_syntax"]
+    return jsonschema
+
+
+@functools.cache
+def _validator():
+    jsonschema = _import_jsonschema()
+    Draft202012Validator, validators = jsonschema.Draft202012Validator, jsonschema.validators
+
+    # JSON Schema calls 1.0 an integer; a header is written by json.dumps, so a count or a
+    # shape written with a fraction, or as true, is not kvlab's.
+    types = Draft202012Validator.TYPE_CHECKER.redefine(
+        "integer", lambda _, x: isinstance(x, int) and not isinstance(x, bool)
+    )
+    generic = Draft202012Validator.VALIDATORS
+
+    # jsonschema spends ~15 us on each value it descends into: 2 s for 100k token ids, 10 ms
+    # for a 30-layer header. The three keywords below find the first failing element in a
+    # loop (a bounded integer or string is checked in plain Python; of equal layers only the
+    # first is descended into) and hand only that one to jsonschema, for its error. The first
+    # error, all kvlab reports, is the same.
+    def items(validator, sub, instance, schema):
+        if not isinstance(instance, list) or "prefixItems" in schema:
+            yield from generic["items"](validator, sub, instance, schema)
+            return
+        ok, seen = _predicate(sub), set()
+        for i, x in enumerate(instance):
+            if ok is not None:
+                if ok(x):
+                    continue
+            else:
+                key = json.dumps(x, sort_keys=True)
+                if key in seen:
+                    continue
+                seen.add(key)
+            yield from validator.descend(x, sub, path=i)
+
+    def additional(validator, sub, instance, schema):
+        ok = _predicate(sub)
+        if ok is None or not isinstance(instance, dict) or {"properties", "patternProperties"} & set(schema):
+            yield from generic["additionalProperties"](validator, sub, instance, schema)
+            return
+        for k, x in instance.items():
+            if not ok(x):
+                yield from validator.descend(x, sub, path=k)
+
+    cls = validators.extend(
+        Draft202012Validator, validators={"items": items, "additionalProperties": additional}, type_checker=types
+    )
+    schema = header_schema()
+    return cls(_inline_refs(schema, schema["$defs"]))
+
+
+def _inline_refs(node, defs: dict):
+    """``node`` with each ``{"$ref": "#/$defs/x", ...}`` replaced by ``{"allOf": [x], ...}``: a
+    reference costs jsonschema a lookup on every use (a third of a header's checking time)."""
+    if isinstance(node, list):
+        return [_inline_refs(x, defs) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _inline_refs(v, defs) for k, v in node.items() if k != "$defs"}
+    ref = out.pop("$ref", None)
+    if ref is None:
+        return out
+    target = _inline_refs(defs[ref.removeprefix("#/$defs/")], defs)
+    return {"allOf": [target], **out} if out else target
+
+
+def _predicate(sub) -> Callable[[object], bool] | None:
+    """A plain-Python test equal to schema ``sub`` where it only bounds an integer or a string."""
+    if not isinstance(sub, dict):
+        return None
+    if sub.get("type") == "integer" and set(sub) <= {"type", "minimum", "exclusiveMaximum"}:
+        lo, hi = sub.get("minimum", -math.inf), sub.get("exclusiveMaximum", math.inf)
+        return lambda x: type(x) is int and lo <= x < hi
+    if sub.get("type") == "string" and set(sub) <= {"type", "minLength", "maxLength", "pattern"}:
+        lo, hi, rx = sub.get("minLength", 0), sub.get("maxLength", math.inf), re.compile(sub.get("pattern", ""))
+        return lambda x: type(x) is str and lo <= len(x) <= hi and rx.search(x) is not None
+    return None
+
+
+_JSON_TYPES = ((type(None), "null"), (bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"))
+
+
+def _json_type(x) -> str:
+    return next((name for t, name in _JSON_TYPES if isinstance(x, t)), "array" if isinstance(x, list) else "object")
+
+
+def _kept(L: dict, length: int) -> int:
+    """Tokens a layer of a ``length``-token cache keeps: a sliding window keeps its last ``window - 1``."""
+    return min(length, L["window"] - 1) if L["type"] == "sliding_attention" else length
+
+
+def _expected_kept(L: dict, length) -> int | None:
+    """:func:`_kept`, or ``None`` while the fields it needs are themselves wrong."""
+    kind, window = L.get("type"), L.get("window")
+    if type(length) is not int or length < 1:
+        return None
+    if kind == "full_attention" and window is None:
+        return length
+    if kind == "sliding_attention" and type(window) is int and window >= 2:
+        return min(length, window - 1)
+    return None
+
+
+#: kvlab's message for the first schema error at each place in the header ("*": any index or
+#: tensor name). A window's message depends on its layer's type.
+_MESSAGES = {
+    "format": "format is {got}, expected 'kvlab-kv-cache'",
+    "format_version": "format version {got} is not supported{newer}; this kvlab reads version 2",
+    "producer": "producer must be a fingerprint object or null, is a JSON {type}",
+    "model_name": "model_name must be a string, is {got}",
+    "start": "start must be an integer >= 0 and < 2^53, is {got}",
+    "length": "length must be an integer >= 1 and < 2^53, is {got}",
+    "dtype": "dtype {got} is not one of float64, float32, float16, bfloat16",
+    "layers": "layers must be a non-empty list of at most 1024 layers, is {got}",
+    "layers/*": "layer {i} must have exactly keys, kept, type, values, window, has {fields}",
+    "layers/*/type": "layer {i} has unknown type {got}",
+    "layers/*/window": {
+        "sliding_attention": "layer {i} is sliding but its window is {window}",
+        "full_attention": "layer {i} is full attention but has a window {window}",
+    },
+    "layers/*/kept": "layer {i} keeps {got} tokens; a {kind} layer of a {length}-token cache keeps {expect}",
+    "layers/*/keys": "layer {i} keys shape {keys} is not [batch, kv_heads, {expect}, head_dim]",
+    "layers/*/values": "layer {i} values shape {values} is not [batch, kv_heads, {expect}, head_dim]",
+    "token_ids": "token_ids must be null or a list of integers in [0, 2^31), is a JSON {type}",
+    "token_ids/*": "token_ids must be null or a list of integers in [0, 2^31); token_ids[{i}] is {got}",
+    "text": "text must be null or a string, is a JSON {type}",
+    "tensor_digest": "tensor_digest {got} is not supported; this kvlab reads 'xxh3-128'",
+    "tensors": "tensors must map exactly {names}, ... to their xxh3-128 digests",
+    "tensors/*": "every tensor digest must be 32 lowercase hex digits; {name} has {got}",
+    "content_digest": "content_digest must be 32 lowercase hex digits, is {got}",
+}
+
+
+def _schema_problem(error, h) -> str:
+    """jsonschema's first error as kvlab's message: the field, what it holds, what it must hold."""
+    where, got = list(error.absolute_path), error.instance
+    if not where:  # the header itself: not an object, or fields missing or unknown
+        if error.validator == "type":
+            return f"is a JSON {_json_type(h)}, not an object"
+        fields = header_schema()["required"]
+        missing = [k for k in fields if k not in h]
+        extra = sorted(k for k in h if k not in fields)
+        return "; ".join(
+            ([f"missing field(s) {', '.join(missing)}"] if missing else [])
+            + ([f"unknown field(s) {_listed(map(repr, extra))}"] if extra else [])
+        )
+    key = "/".join("*" if n == 1 else str(k) for n, k in enumerate(where[:3]))
+    v = {"got": _short(got), "type": _json_type(got), "newer": "", "names": _tensor_pair(h)}
+    if len(where) > 1:
+        v.update(i=where[1], name=repr(where[1]))
+    if where[0] == "format_version" and type(got) is int and got > FORMAT_VERSION:
+        v["newer"] = " (written by a newer kvlab)"
+    template = _MESSAGES.get(key)
+    if where[0] == "layers" and len(where) > 1:
+        L, length = h["layers"][where[1]], h.get("length")
+        expect = _expected_kept(L, length) if isinstance(L, dict) else None
+        v["fields"] = _short(sorted(L)) if isinstance(L, dict) else f"a JSON {_json_type(L)}"
+        if isinstance(L, dict):
+            v.update({k: _short(L.get(k)) for k in ("window", "keys", "values")}, kind=L.get("type"))
+        v.update(length=length, expect="kept" if expect is None else expect)
+        if isinstance(template, dict):
+            template = template.get(L.get("type"), template["full_attention"])
+    if template is None:  # a place the table does not name: still the path and jsonschema's words
+        return f"{'/'.join(map(str, where))}: {_short(error.message, 200)}"
+    return template.format(**v)
+
+
+def _tensor_pair(h) -> str:
+    n = len(h["layers"]) if isinstance(h.get("layers"), list) else 1
+    return ", ".join(tensor_names(max(n, 1))[:2])
+
+
 def validate_header(h, path: Path) -> dict:
-    """Check every field of a kvlab header; return it, or raise :class:`CacheFileError` naming the field."""
+    """Check a kvlab header against its schema, then its fields against each other.
+
+    Returns
+    -------
+    dict
+        ``h``, unchanged.
+
+    Raises
+    ------
+    CacheFileError
+        Naming the file, the first field that is wrong, what it holds and what it must hold.
+    """
 
     def bad(msg):
         return CacheFileError(f"{path}: kvlab header: {msg}")
 
-    if not isinstance(h, dict):
-        raise bad(f"is a JSON {type(h).__name__}, not an object")
-    if h.get("format") != FORMAT:
-        raise bad(f"format is {_short(h.get('format'))}, expected {FORMAT!r}")
-    version = h.get("format_version")
-    if version != FORMAT_VERSION or not _is_int(version):
-        newer = " (written by a newer kvlab)" if _is_int(version) and version > FORMAT_VERSION else ""
-        raise bad(
-            f"format version {_short(version)} is not supported{newer}; this kvlab reads version {FORMAT_VERSION}"
-        )
-    missing = [k for k in HEADER_FIELDS if k not in h]
-    extra = sorted(k for k in h if k not in HEADER_FIELDS)
-    if missing or extra:
-        raise bad(
-            "; ".join(
-                filter(
-                    None,
-                    [
-                        missing and f"missing field(s) {', '.join(missing)}",
-                        extra and f"unknown field(s) {', '.join(map(repr, extra))}",
-                    ],
-                )
-            )
-        )
-    if h["producer"] is not None and not isinstance(h["producer"], dict):
-        raise bad(f"producer must be a fingerprint object or null, is {type(h['producer']).__name__}")
-    if not isinstance(h["model_name"], str):
-        raise bad("model_name must be a string")
-    if not _is_int(h["start"]):
-        raise bad(f"start must be an integer >= 0, is {_short(h['start'])}")
-    if not _is_int(h["length"], 1):
-        raise bad(f"length must be an integer >= 1, is {_short(h['length'])}")
-    if not isinstance(h["dtype"], str) or h["dtype"] not in TORCH_DTYPES:
-        raise bad(f"dtype {_short(h['dtype'])} is not one of {', '.join(TORCH_DTYPES)}")
+    try:
+        error = next(_validator().iter_errors(h), None)
+        if error is not None:
+            raise bad(_schema_problem(error, h))
+    except RecursionError:  # a value nested so deeply that jsonschema (or repr) cannot walk it
+        raise bad("a value is nested too deeply to be a cache header") from None
+    # What the schema cannot say: the fields' agreement with each other.
     length, layers = h["length"], h["layers"]
-    if not isinstance(layers, list) or not layers:
-        raise bad("layers must be a non-empty list")
-    batch = None
+    batch = layers[0]["keys"][0]
     for i, L in enumerate(layers):
-        if not isinstance(L, dict) or set(L) != LAYER_FIELDS:
-            got = sorted(L) if isinstance(L, dict) else type(L).__name__
-            raise bad(f"layer {i} must have exactly {', '.join(sorted(LAYER_FIELDS))}, has {got}")
-        if L["type"] not in LAYER_TYPES:
-            raise bad(f"layer {i} has unknown type {_short(L['type'])}")
-        sliding = L["type"] == "sliding_attention"
-        if sliding and not _is_int(L["window"], 2):
-            raise bad(f"layer {i} is sliding but its window is {_short(L['window'])}")
-        if not sliding and L["window"] is not None:
-            raise bad(f"layer {i} is full attention but has a window {_short(L['window'])}")
-        expect = min(length, L["window"] - 1) if sliding else length
-        if L["kept"] != expect or not _is_int(L["kept"]):
+        expect = _kept(L, length)
+        if L["kept"] != expect:
             raise bad(
-                f"layer {i} keeps {_short(L['kept'])} tokens; a {L['type']} layer of a {length}-token cache keeps {expect}"
+                f"layer {i} keeps {L['kept']} tokens; a {L['type']} layer of a {length}-token cache keeps {expect}"
             )
         for what in ("keys", "values"):
-            s = L[what]
-            if not (isinstance(s, list) and len(s) == 4 and all(_is_int(x, 1) for x in s)) or s[2] != expect:
-                raise bad(f"layer {i} {what} shape {_short(s)} is not [batch, kv_heads, {expect}, head_dim]")
+            if L[what][2] != expect:
+                raise bad(f"layer {i} {what} shape {L[what]} is not [batch, kv_heads, {expect}, head_dim]")
         if L["keys"][:2] != L["values"][:2]:
             raise bad(f"layer {i}: keys {L['keys']} and values {L['values']} disagree on batch or heads")
-        if batch is None:
-            batch = L["keys"][0]
-        elif L["keys"][0] != batch:
+        if L["keys"][0] != batch:
             raise bad(f"layer {i} has batch {L['keys'][0]}, layer 0 has {batch}")
     ids = h["token_ids"]
-    if ids is not None:
-        if not isinstance(ids, list) or not all(_is_int(x, 0, 1 << 31) for x in ids):
-            raise bad("token_ids must be null or a list of integers in [0, 2^31)")
-        if len(ids) != length:
-            raise bad(f"{len(ids)} token ids for a cache of {length} tokens")
-    if h["text"] is not None and not isinstance(h["text"], str):
-        raise bad("text must be null or a string")
+    if ids is not None and len(ids) != length:
+        raise bad(f"{len(ids)} token ids for a cache of {length} tokens")
     names = tensor_names(len(layers))
-    digests = h["tensors"]
-    if h["tensor_digest"] != TENSOR_DIGEST:
-        raise bad(f"tensor_digest {_short(h['tensor_digest'])} is not supported; this kvlab reads {TENSOR_DIGEST!r}")
-    if not isinstance(digests, dict) or sorted(digests) != sorted(names):
-        raise bad("tensors must map exactly " + ", ".join(names[:2]) + f", ... to their {TENSOR_DIGEST} digests")
-    if not all(isinstance(d, str) and len(d) == DIGEST_HEX and set(d) <= HEX for d in digests.values()):
-        raise bad(f"every tensor digest must be {DIGEST_HEX} lowercase hex digits")
-    if h["content_digest"] != content_digest(names, digests):
+    if sorted(h["tensors"]) != sorted(names):
+        raise bad(_MESSAGES["tensors"].format(names=_tensor_pair(h)))
+    if h["content_digest"] != content_digest(names, h["tensors"]):
         raise bad("content_digest does not match the tensor digests")
     return h
 

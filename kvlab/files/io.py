@@ -1,10 +1,9 @@
 """Cache files against a model: save a Fragment with its producer's fingerprint, load it into a reader.
 
-The file format itself (a safetensors container with a kvlab header, digests, the
-refusal of pickles and other formats) is :mod:`kvlab.files.format`; this module checks a
-cache against the model that made it before saving, and a file against the model that
-reads it before loading: fingerprint, geometry, positions and vocabulary, then the digest
-of every tensor as it lands in the new cache. Nothing here unpickles, ever.
+The format itself is :mod:`kvlab.files.format`. Before saving, the cache is checked against
+the model that made it; before loading, the file against the model that reads it
+(fingerprint, geometry, positions, vocabulary), then every tensor's digest as it lands in
+the new cache. Nothing here unpickles.
 """
 
 from __future__ import annotations
@@ -209,7 +208,7 @@ def _plain_layout(box: Container, model: LoadedModel) -> Layout:
     if not got or sorted(got) != sorted(names):
         raise CacheFileError(
             f"{path} has no kvlab header and its tensors are not named layers.<i>.keys / "
-            f"layers.<i>.values (found {', '.join(sorted(got)[:4]) or 'none'}): not a KV cache"
+            f"layers.<i>.values (found {', '.join(map(repr, sorted(got)[:4])) or 'none'}): not a KV cache"
         )
     dtypes = {e.dtype for e in got.values()}
     if len(dtypes) != 1:
@@ -232,6 +231,9 @@ def _plain_layout(box: Container, model: LoadedModel) -> Layout:
                 "values": v,
             }
         )
+    batches = sorted({L["keys"][0] for L in layers})
+    if len(batches) != 1:  # a kvlab header is held to one batch size (validate_header); so is a plain dump
+        raise CacheFileError(f"{path}: its layers hold different batch sizes {batches}: not one KV cache")
     full = {L["kept"] for L in layers if L["type"] == "full_attention"}
     if len(full) > 1:
         raise CacheFileError(f"{path}: full-attention layers hold different token counts {sorted(full)}")

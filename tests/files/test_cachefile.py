@@ -215,6 +215,47 @@ def test_a_save_killed_midway_leaves_the_old_file(tmp_path, llama, frag, point):
     assert silent_load(path, llama).text == TEXT
 
 
+def test_a_killed_saves_temporary_is_listed_by_inspect_and_removed_by_the_next_save(tmp_path, llama, frag, capsys):
+    from kvlab import cli
+
+    path = save_cache(tmp_path / "c.kvcache", frag, llama)
+    run = subprocess.run([sys.executable, "-c", KILL_CHILD, "rename", str(path)], capture_output=True, timeout=120)
+    assert run.returncode == -9, run.stderr.decode()[-2000:]
+    (left,) = [p for p in tmp_path.iterdir() if p != path]
+    assert re.fullmatch(r"\.c\.kvcache\.\d+\.[0-9a-f]{8}\.tmp", left.name) and left.stat().st_size > 0
+    assert cli.main(["inspect", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "1 intact cache file(s), 0 with a problem, 1 temporary file(s) left by saves that died" in out
+    assert left.name in out and f"a save of c.kvcache by process {left.name.split('.')[3]}, now gone" in out
+    assert cli.main(["inspect", str(path)]) == 0
+    assert f"left over  1 temporary file(s) of a save that died: {left.name}" in capsys.readouterr().out
+    save_cache(path, frag, llama)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.kvcache"]
+    assert cli.main(["inspect", str(tmp_path)]) == 0
+    assert "0 temporary file(s)" in capsys.readouterr().out
+
+
+def test_inspect_of_a_folder_lists_every_cache_file_and_what_is_wrong(tmp_path, llama, gemma, frag, capsys):
+    from kvlab import cli
+
+    save_cache(tmp_path / "a.kvcache", frag, llama)
+    save_cache(tmp_path / "g.kvcache", kvlab.prefill(gemma, "another model"), gemma)
+    (tmp_path / "cut.kvcache").write_bytes((tmp_path / "a.kvcache").read_bytes()[:100])
+    (tmp_path / "notes.txt").write_text("not a cache, and not named like one")
+    assert cli.main(["inspect", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith(f"{tmp_path}: 2 intact cache file(s), 1 with a problem, 0 temporary file(s)")
+    assert "1 other file(s)" in out and "notes.txt" not in out
+    assert re.search(r"a\.kvcache +\d+\.\d kB  tiny-llama, \d+ tokens at 0, 3 layers, float32: intact", out)
+    assert re.search(r"cut\.kvcache .* CacheFileError: the header length field says \d+ bytes, past the end", out)
+    assert cli.main(["inspect", str(tmp_path), "--model", "tiny-llama"]) == 1
+    out = capsys.readouterr().out
+    assert "intact, loads into tiny-llama" in out and "g.kvcache" in out and "FingerprintMismatch: " in out
+    (tmp_path / "cut.kvcache").unlink()
+    (tmp_path / "g.kvcache").unlink()
+    assert cli.main(["inspect", str(tmp_path)]) == 0
+
+
 def test_save_refuses_what_it_cannot_vouch_for(tmp_path, llama, gemma, frag):
     with pytest.raises(FingerprintMismatch, match="made by 'tiny-llama' but save_cache was given 'tiny-gemma3'"):
         save_cache(tmp_path / "x", frag, gemma)

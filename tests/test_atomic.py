@@ -1,0 +1,155 @@
+"""kvlab.atomic: a write is seen whole or not at all, and what a dead writer left is cleaned up, never a live one's."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvlab import atomic
+from kvlab.atomic import (
+    atomic_dir,
+    atomic_path,
+    atomic_write_bytes,
+    atomic_write_text,
+    default_mode,
+    remove_stale,
+    stale_temporaries,
+    temporary_of,
+)
+
+
+def dead_pid() -> int:
+    """The id of a process that has exited (and been reaped)."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+@pytest.fixture()
+def sleeper():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    yield child.pid
+    child.kill()
+    child.wait()
+
+
+def temp(folder, target: str, pid: int, rand: str = "0123abcd", data: bytes = b"half"):
+    p = folder / f".{target}.{pid}.{rand}.tmp"
+    p.write_bytes(data)
+    return p
+
+
+def test_a_dead_writers_temporary_is_listed_and_removed_by_the_next_write(tmp_path):
+    left = temp(tmp_path, "c.kvcache", dead_pid())
+    assert temporary_of(left)[0] == "c.kvcache"
+    assert stale_temporaries(tmp_path) == [left] == stale_temporaries(tmp_path, "c.kvcache")
+    atomic_write_bytes(tmp_path / "c.kvcache", b"new")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.kvcache"]
+
+
+def test_a_live_writers_temporary_is_never_removed(tmp_path, sleeper):
+    live = temp(tmp_path, "c.kvcache", sleeper)
+    assert stale_temporaries(tmp_path) == [] and remove_stale(tmp_path / "c.kvcache") == []
+    atomic_write_bytes(tmp_path / "c.kvcache", b"new")
+    assert live.read_bytes() == b"half"
+
+
+def test_pid_one_is_alive_and_its_temporaries_kept(tmp_path):
+    # pid 1 always exists; as another user's process it answers PermissionError, which counts as alive.
+    kept = temp(tmp_path, "c.kvcache", 1)
+    assert remove_stale(tmp_path / "c.kvcache") == [] and kept.exists()
+
+
+def test_this_process_keeps_its_own_temporary_and_removes_one_that_only_shares_its_pid(tmp_path):
+    # A pid is reused (a container's restart gives the same program the same pid): a temporary with
+    # this process's id that this process did not make is a dead writer's.
+    reused = temp(tmp_path, "c.kvcache", os.getpid(), "feedbeef")
+    with atomic_path(tmp_path / "c.kvcache") as mine:
+        assert not reused.exists()
+        mine.write_bytes(b"in progress")
+        assert remove_stale(tmp_path / "c.kvcache") == [] and stale_temporaries(tmp_path) == []
+        assert mine.exists()
+    assert (tmp_path / "c.kvcache").read_bytes() == b"in progress"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.kvcache"]
+
+
+def test_only_the_same_targets_temporaries_are_removed(tmp_path):
+    pid = dead_pid()
+    other = temp(tmp_path, "other.kvcache", pid)
+    lookalikes = [tmp_path / n for n in (f".c.kvcache.{pid}.tmp", f".c.kvcache.{pid}.XYZ12345.tmp", "c.kvcache.tmp")]
+    for p in lookalikes:
+        p.write_bytes(b"not kvlab's")
+    atomic_write_text(tmp_path / "c.kvcache", "new")
+    assert other.exists() and all(p.exists() for p in lookalikes)
+    assert stale_temporaries(tmp_path) == [other]
+
+
+def test_a_dead_writers_temporary_folder_is_removed_and_a_link_only_unlinked(tmp_path):
+    pid = dead_pid()
+    folder = tmp_path / f".model.{pid}.0123abcd.tmp"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "sub" / "w.bin").write_bytes(b"x")
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    (keep / "precious").write_bytes(b"y")
+    link = tmp_path / f".model.{pid}.deadbeef.tmp"
+    link.symlink_to(keep, target_is_directory=True)
+    assert sorted(remove_stale(tmp_path / "model")) == sorted([folder, link])
+    assert not folder.exists() and not link.is_symlink() and (keep / "precious").exists()
+
+
+def test_mode_is_given_or_the_umask_default(tmp_path):
+    p = atomic_write_bytes(tmp_path / "a", b"x", mode=0o640)
+    assert p.stat().st_mode & 0o777 == 0o640
+    mask = os.umask(0)
+    os.umask(mask)
+    q = atomic_write_bytes(tmp_path / "b", b"x")
+    assert q.stat().st_mode & 0o777 == default_mode() == 0o666 & ~mask
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
+    path = atomic_write_bytes(tmp_path / "c", b"old")
+    with pytest.raises(RuntimeError, match="boom"):
+        with atomic_path(path) as tmp:
+            tmp.write_bytes(b"half")
+            raise RuntimeError("boom")
+    assert path.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["c"]
+    assert atomic._OURS == set()
+
+
+def test_two_writers_never_share_a_temporary(tmp_path):
+    with atomic_path(tmp_path / "c") as a, atomic_path(tmp_path / "c") as b:
+        assert a != b and a.exists() and b.exists()
+        a.write_bytes(b"a")
+        b.write_bytes(b"b")
+    assert (tmp_path / "c").read_bytes() == b"a"  # the outer one renamed last
+
+
+def test_atomic_dir_renames_a_finished_folder(tmp_path):
+    stale = tmp_path / f".conv.{dead_pid()}.0123abcd.tmp"
+    stale.mkdir()
+    with atomic_dir(tmp_path / "conv") as tmp:
+        (tmp / "config.json").write_text("{}")
+        assert tmp.name.startswith(".conv.") and not stale.exists()
+    assert (tmp_path / "conv" / "config.json").read_text() == "{}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["conv"]
+
+
+def test_atomic_dir_keeps_a_folder_another_writer_finished_first(tmp_path):
+    with atomic_dir(tmp_path / "conv") as tmp:
+        (tmp / "mine").write_text("mine")
+        (tmp_path / "conv").mkdir()
+        (tmp_path / "conv" / "theirs").write_text("theirs")
+    assert sorted(p.name for p in (tmp_path / "conv").iterdir()) == ["theirs"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["conv"]
+
+
+def test_atomic_dir_removes_its_temporary_on_failure(tmp_path):
+    with pytest.raises(ValueError):
+        with atomic_dir(tmp_path / "conv") as tmp:
+            (tmp / "half").write_text("x")
+            raise ValueError
+    assert list(tmp_path.iterdir()) == [] and atomic._OURS == set()
