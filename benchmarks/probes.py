@@ -31,7 +31,8 @@ import torch
 import kvlab
 from kvlab.cache.fragments import clone_cache, tokenize
 from kvlab.findings.longctx import default_strategies, make_set
-from kvlab.measure.probes import read_probes
+from kvlab.measure.case import FidelityReference
+from kvlab.measure.fidelity import fidelity
 from kvlab.measure.references import context_reference
 
 GREEDY = 5  # the study's --greedy-tokens default
@@ -58,15 +59,31 @@ def old_read_probe(model, cache, probe: str, greedy_tokens: int = 0):
     return log_probs, greedy
 
 
-def timed(fn):
-    """``(result, cpu_seconds, wall_seconds)`` of ``fn()``."""
+def timed(fn, *args):
+    """``(result, cpu_seconds, wall_seconds)`` of ``fn(*args)``."""
     c0, t0 = time.process_time(), time.perf_counter()
-    out = fn()
+    out = fn(*args)
     return out, time.process_time() - c0, time.perf_counter() - t0
 
 
 def load() -> str:
     return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def old_scores(model, reference, merges, probes):
+    """Per question, as ``fidelity`` read them before: the joined prefill's reading, then each merge's."""
+    out = []
+    for p in probes:
+        want = old_read_probe(model, reference, p, GREEDY)
+        out.append([want] + [old_read_probe(model, c, p, GREEDY) for c in merges])
+    return out
+
+
+def new_scores(model, frags, reference, merges, probes):
+    """As ``kvlab.ask`` reads them now: ``fidelity`` of each merge against one remembered reference."""
+    ref = FidelityReference(model, reference)
+    fids = [fidelity(model, frags, c, probes=probes, greedy_tokens=GREEDY, reference=ref) for c in merges]
+    return ref, fids
 
 
 def main() -> None:
@@ -88,27 +105,30 @@ def main() -> None:
     for k in args.counts:
         s = make_set(model, k, args.tokens, seed=k)  # the study's set 0 (seed 0 + k)
         frags, probes = kvlab.passage_fragments(model, s)
-        caches = [context_reference(model, frags)] + [
-            kvlab.merge(frags, strat, model) for strat in default_strategies().values()
-        ]
-        total = caches[0].get_seq_length()
+        reference = context_reference(model, frags)
+        merges = [kvlab.merge(frags, strat, model) for strat in default_strategies().values()]
         few = probes[: args.old_questions]
         for threads in dict.fromkeys(args.threads):
             torch.set_num_threads(threads)
-            old, old_cpu, old_wall = timed(lambda: [[old_read_probe(model, c, p, GREEDY) for p in few] for c in caches])
-            new, new_cpu, new_wall = timed(lambda: [read_probes(model, c, probes, greedy=GREEDY) for c in caches])
-            same = all(o[1] == n.greedy for oc, nc in zip(old, new) for o, n in zip(oc, nc))
-            dlp = max(float((o[0] - n.log_probs).abs().max()) for oc, nc in zip(old, new) for o, n in zip(oc, nc))
+            old, old_cpu, old_wall = timed(old_scores, model, reference, merges, few)
+            (ref, fids), new_cpu, new_wall = timed(new_scores, model, frags, reference, merges, probes)
+            # The questions both paths scored: the same greedy tokens, next-token log-probs to rounding.
+            new = [[ref.read(p, GREEDY)] + [(None, f.probes[q]["greedy"]) for f in fids] for q, p in enumerate(few)]
+            same = all(
+                o[0][1] == n[0][1] and all(model.tokenizer.decode(a[1]) == b[1] for a, b in zip(o[1:], n[1:]))
+                for o, n in zip(old, new)
+            )
+            dlp = max(float((o[0][0] - n[0][0]).abs().max()) for o, n in zip(old, new))
             rates = {}
             for path, n, cpu, wall in (("old", len(few), old_cpu, old_wall), ("new", len(probes), new_cpu, new_wall)):
                 rates[path] = n / cpu
                 print(
-                    f"{k:>3} x {args.tokens:<3} {total:>6} {threads:>7} {path:>4} {n:>9} {cpu:>7.1f} {wall:>7.1f}"
-                    f" {n / cpu:>9.3f} {n / wall:>10.3f}"
+                    f"{k:>3} x {args.tokens:<3} {reference.get_seq_length():>6} {threads:>7} {path:>4} {n:>9}"
+                    f" {cpu:>7.1f} {wall:>7.1f} {n / cpu:>9.3f} {n / wall:>10.3f}"
                 )
             print(
-                f"{'':>8} new / old: {rates['new'] / rates['old']:.1f}x questions per CPU-second; greedy tokens "
-                f"{'the same' if same else 'DIFFER'}, max |d log p| {dlp:.1e}; {load()}"
+                f"{'':>8} new / old: {rates['new'] / rates['old']:.1f}x questions per CPU-second; greedy answers "
+                f"{'the same' if same else 'DIFFER'}, max |d log p| (joined prefill) {dlp:.1e}; {load()}"
             )
 
 
