@@ -16,7 +16,8 @@ from transformers import DynamicCache
 
 from kvlab.cache.fragments import Fragment, prefill
 from kvlab.cache.merge import landing_positions
-from kvlab.measure.references import context_reference, phase_reference, read_probe
+from kvlab.measure.probes import ProbeRead, read_probes
+from kvlab.measure.references import context_reference, phase_reference
 from kvlab.models.loaded import LoadedModel
 
 #: The Skerry Island story: four sentences, each a fragment (the first carries BOS). The
@@ -59,28 +60,34 @@ class FidelityReference:
         self.model, self.cache = model, cache
         self._reads: dict = {}
 
-    def read(self, probe: str, greedy_tokens: int) -> tuple[torch.Tensor, list[int]]:
-        """:func:`kvlab.measure.references.read_probe` of the reference, remembered.
+    def reads(self, probes: list[str], greedy_tokens: int) -> list[ProbeRead]:
+        """:func:`kvlab.measure.probes.read_probes` of the reference, remembered; the probes not yet read in one call.
 
         Returns
         -------
-        log_probs : torch.Tensor
-            ``[vocab]`` float64 log-probabilities of the token after ``probe``.
-        greedy : list of int
-            ``greedy_tokens`` greedy token ids after ``probe``.
+        list of ProbeRead
+            Per probe: ``log_probs`` ``[vocab]`` float64 and ``greedy_tokens`` greedy ids.
         """
+        missing = list(dict.fromkeys(p for p in probes if self._known(p, greedy_tokens) is None))
+        for p, r in zip(missing, read_probes(self.model, self.cache, missing, greedy=greedy_tokens)):
+            self._reads[(p, greedy_tokens)] = (r.log_probs, r.greedy)
+        return [ProbeRead(p, *self._known(p, greedy_tokens)) for p in probes]
+
+    def read(self, probe: str, greedy_tokens: int) -> tuple[torch.Tensor, list[int]]:
+        """One probe's :meth:`reads`: ``[vocab]`` float64 log-probabilities and ``greedy_tokens`` greedy ids."""
+        r = self.reads([probe], greedy_tokens)[0]
+        return r.log_probs, r.greedy
+
+    def _known(self, probe: str, greedy_tokens: int) -> tuple[torch.Tensor, list[int]] | None:
         # A reading of the same probe with at least as many greedy tokens answers this one: the
         # distribution comes from the first forward pass whatever the length, and a shorter
         # greedy continuation is a prefix of a longer one.
-        key = (probe, greedy_tokens)
-        if key not in self._reads:
+        if (probe, greedy_tokens) not in self._reads:
             longer = [v for (p, n), v in self._reads.items() if p == probe and n >= greedy_tokens]
-            self._reads[key] = (
-                (longer[0][0], longer[0][1][:greedy_tokens])
-                if longer
-                else read_probe(self.model, self.cache, probe, greedy_tokens)
-            )
-        return self._reads[key]
+            if not longer:
+                return None
+            self._reads[(probe, greedy_tokens)] = (longer[0][0], longer[0][1][:greedy_tokens])
+        return self._reads[(probe, greedy_tokens)]
 
 
 class Case:
@@ -164,7 +171,7 @@ class Case:
 
     @property
     def context_dists(self) -> list[torch.Tensor]:
-        return [self.reference.read(p, 0)[0] for p in self.probes]
+        return [r.log_probs for r in self.reference.reads(self.probes, 0)]
 
     def describe(self) -> dict:
         """A JSON-ready record of what this case is (for tables and sweep records)."""

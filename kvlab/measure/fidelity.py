@@ -21,7 +21,8 @@ from kvlab.cache.strategies import Strategy
 from kvlab.errors import MergeError
 from kvlab.measure.case import Case, FidelityReference
 from kvlab.measure.metrics import kl_row
-from kvlab.measure.references import context_reference, read_probe
+from kvlab.measure.probes import read_probes
+from kvlab.measure.references import context_reference
 from kvlab.models.loaded import LoadedModel
 
 
@@ -195,18 +196,20 @@ def fidelity(
             f"the merged cache holds {cache.get_seq_length()} tokens, "
             f"the joined prefill {reference.cache.get_seq_length()}"
         )
+    want = reference.reads(probes, greedy_tokens)
+    # The joined prefill's greedy tokens are the draft: where the merge's argmax agrees with
+    # them (most tokens, for a good merge), no decoding step is needed.
+    got = read_probes(model, cache, probes, greedy=greedy_tokens, draft=[w.greedy for w in want])
     rows = []
     agree = prefix = 0.0
-    for probe in probes:
-        lp, want = reference.read(probe, greedy_tokens)
-        lq, got = read_probe(model, cache, probe, greedy_tokens)
-        row = kl_row(model, probe, lp, lq)
+    for probe, w, g in zip(probes, want, got):
+        row = kl_row(model, probe, w.log_probs, g.log_probs)
         rows.append(row)
         if greedy_tokens:
-            same = [a == b for a, b in zip(want, got)]
+            same = [a == b for a, b in zip(w.greedy, g.greedy)]
             agree += sum(same) / greedy_tokens
             prefix += (same.index(False) if False in same else greedy_tokens) / greedy_tokens
-            row["greedy_ref"], row["greedy"] = model.tokenizer.decode(want), model.tokenizer.decode(got)
+            row["greedy_ref"], row["greedy"] = model.tokenizer.decode(w.greedy), model.tokenizer.decode(g.greedy)
     n = len(rows)
     kls = [r["kl"] for r in rows]
     return Fidelity(

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from kvlab.measure.references import next_token_dist
+from kvlab.measure.probes import read_probes
 from kvlab.models.loaded import LoadedModel
 from kvlab.models.rope import layer_ropes
 
@@ -302,12 +302,13 @@ def next_token_kl(
 ) -> list[dict]:
     """Per probe: ``KL(p_ref || p_cache)`` in nats of the next token, and whether top-1 agrees.
 
-    ``ref_dists``: the reference's :func:`next_token_dist` per probe, when a caller
-    compares many caches against one reference (then ``ref`` is not read).
+    ``ref_dists``: the reference's next-token log-probabilities per probe, when a caller
+    compares many caches against one reference (then ``ref`` is not read). All probes are
+    read behind each cache in one :func:`kvlab.measure.probes.read_probes` call.
     """
     if ref_dists is None:
-        ref_dists = [next_token_dist(model, ref, probe) for probe in probes]
+        ref_dists = [r.log_probs for r in read_probes(model, ref, probes)]
     return [
-        kl_row(model, probe, lp, next_token_dist(model, cache, probe))
-        for probe, lp in zip(probes, ref_dists, strict=True)
+        kl_row(model, probe, lp, r.log_probs)
+        for probe, lp, r in zip(probes, ref_dists, read_probes(model, cache, probes), strict=True)
     ]

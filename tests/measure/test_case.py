@@ -8,6 +8,7 @@ import kvlab
 from conftest import tiny
 from kvlab.measure import references
 from kvlab.measure.case import DEFAULT_PROBES, Case
+from kvlab.measure.probes import read_probes
 
 TEXTS = ["The first fragment of the case.", " The second fragment follows it."]
 PROBES = [" and", " The"]
@@ -25,8 +26,11 @@ def test_case_builds_what_the_functions_build():
     assert case.landings == kvlab.landing_positions(frags)
     assert same_cache(case.phase, references.phase_reference(m, frags))
     assert same_cache(case.context, references.context_reference(m, frags))
-    for lp, probe in zip(case.context_dists, PROBES, strict=True):
-        assert torch.equal(lp, references.next_token_dist(m, case.context, probe))
+    # The probes are read in one batched call: bit for bit that call, and each probe read alone to fp32 rounding.
+    by_hand = read_probes(m, case.context, PROBES)
+    for lp, r, probe in zip(case.context_dists, by_hand, PROBES, strict=True):
+        assert torch.equal(lp, r.log_probs)
+        torch.testing.assert_close(lp, references.next_token_dist(m, case.context, probe), rtol=0, atol=1e-5)
     assert case.describe()["lengths"] == [f.length for f in frags] and case.texts == TEXTS
 
 
@@ -63,8 +67,8 @@ def test_check_rows_reads_the_context_reference_once_per_probe(monkeypatch):
     from kvlab.measure.check import check_rows
 
     calls = []
-    real = case_mod.read_probe
-    monkeypatch.setattr(case_mod, "read_probe", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    real = case_mod.read_probes
+    monkeypatch.setattr(case_mod, "read_probes", lambda *a, **k: calls.extend(a[2]) or real(*a, **k))
     rows = check_rows(tiny("tiny-llama"), TEXTS, PROBES)
     assert sorted(calls) == sorted(PROBES)  # once each, however many strategies are compared
     assert len([r for r in rows if "refused" not in r]) >= 4

@@ -1,0 +1,136 @@
+"""Questions scored per CPU-second on the long-context study: the old probe reads against read_probes.
+
+    nice -n 10 .venv/bin/python benchmarks/probes.py [--counts 2 8] [--old-questions 3] [--threads 1 2]
+
+Builds each configuration as the study does (``kvlab.findings.longctx``: ``make_set`` with the
+study's seed for set 0, ``passage_fragments``, the four default strategies' merges and the
+joined prefill) and scores questions as ``kvlab.ask`` does: each question's probe is read
+behind the joined prefill and behind every merge, with the study's 5 greedy tokens.
+
+* old: ``read_probe`` as kvlab had it before issue 23 (kept here only, for this comparison):
+  per probe a clone of the cache, then one forward pass per greedy token through
+  ``DynamicCache``, whose ``update`` concatenates the whole past again each time. Slow, so
+  only the first ``--old-questions`` questions are read; a rate needs no more.
+* new: :func:`kvlab.measure.probes.read_probes`, every question behind each cache in one call.
+
+Only the probe reads are timed (merges and prefills are the same for both). CPU time is
+``time.process_time`` (all threads); it is printed per torch thread count, since on a
+loaded machine idle OpenMP threads spinning at barriers are CPU time too. The load average
+is printed before and after. The greedy tokens of the questions both paths read are checked
+to be the same, and the largest difference of their next-token log-probabilities printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+import kvlab
+from kvlab.cache.fragments import clone_cache, tokenize
+from kvlab.findings.longctx import default_strategies, make_set
+from kvlab.measure.case import FidelityReference
+from kvlab.measure.fidelity import fidelity
+from kvlab.measure.references import context_reference
+
+GREEDY = 5  # the study's --greedy-tokens default
+
+
+@torch.inference_mode()
+def old_read_probe(model, cache, probe: str, greedy_tokens: int = 0):
+    """kvlab's ``references.read_probe`` before issue 23, verbatim: clone, then one token per forward pass."""
+    ids = tokenize(model, probe).to(model.device)[None]
+    work = clone_cache(cache, model.config)
+    at = work.get_seq_length()
+    log_probs, greedy = None, []
+    for _ in range(max(1, greedy_tokens)):
+        pos = torch.arange(at, at + ids.shape[-1], device=model.device)[None]
+        logits = model.model(input_ids=ids, position_ids=pos, cache=work, use_cache=True, logits_to_keep=1).logits[
+            0, -1
+        ]
+        at += ids.shape[-1]
+        if log_probs is None:
+            log_probs = torch.log_softmax(logits.double(), -1)
+        if greedy_tokens:
+            greedy.append(int(logits.argmax()))
+            ids = torch.tensor([[greedy[-1]]], device=model.device)
+    return log_probs, greedy
+
+
+def timed(fn, *args):
+    """``(result, cpu_seconds, wall_seconds)`` of ``fn(*args)``."""
+    c0, t0 = time.process_time(), time.perf_counter()
+    out = fn(*args)
+    return out, time.process_time() - c0, time.perf_counter() - t0
+
+
+def load() -> str:
+    return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def old_scores(model, reference, merges, probes):
+    """Per question, as ``fidelity`` read them before: the joined prefill's reading, then each merge's."""
+    out = []
+    for p in probes:
+        want = old_read_probe(model, reference, p, GREEDY)
+        out.append([want] + [old_read_probe(model, c, p, GREEDY) for c in merges])
+    return out
+
+
+def new_scores(model, frags, reference, merges, probes):
+    """As ``kvlab.ask`` reads them now: ``fidelity`` of each merge against one remembered reference."""
+    ref = FidelityReference(model, reference)
+    fids = [fidelity(model, frags, c, probes=probes, greedy_tokens=GREEDY, reference=ref) for c in merges]
+    return ref, fids
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--counts", type=int, nargs="+", default=[2, 8])
+    ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--old-questions", type=int, default=3)
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, torch.get_num_threads()])
+    args = ap.parse_args()
+    model = kvlab.load_model(args.model)
+    print(
+        f"{model.name}, {GREEDY} greedy tokens per answer, torch {torch.__version__}, {os.cpu_count()} CPUs; {load()}"
+    )
+    print(
+        f"{'config':>8} {'tokens':>6} {'threads':>7} {'path':>4} {'questions':>9} {'CPU s':>7} {'wall s':>7}"
+        f" {'q / CPU-s':>9} {'q / wall-s':>10}"
+    )
+    for k in args.counts:
+        s = make_set(model, k, args.tokens, seed=k)  # the study's set 0 (seed 0 + k)
+        frags, probes = kvlab.passage_fragments(model, s)
+        reference = context_reference(model, frags)
+        merges = [kvlab.merge(frags, strat, model) for strat in default_strategies().values()]
+        few = probes[: args.old_questions]
+        for threads in dict.fromkeys(args.threads):
+            torch.set_num_threads(threads)
+            old, old_cpu, old_wall = timed(old_scores, model, reference, merges, few)
+            (ref, fids), new_cpu, new_wall = timed(new_scores, model, frags, reference, merges, probes)
+            # The questions both paths scored: the same greedy tokens, next-token log-probs to rounding.
+            new = [[ref.read(p, GREEDY)] + [(None, f.probes[q]["greedy"]) for f in fids] for q, p in enumerate(few)]
+            same = all(
+                o[0][1] == n[0][1] and all(model.tokenizer.decode(a[1]) == b[1] for a, b in zip(o[1:], n[1:]))
+                for o, n in zip(old, new)
+            )
+            dlp = max(float((o[0][0] - n[0][0]).abs().max()) for o, n in zip(old, new))
+            rates = {}
+            for path, n, cpu, wall in (("old", len(few), old_cpu, old_wall), ("new", len(probes), new_cpu, new_wall)):
+                rates[path] = n / cpu
+                print(
+                    f"{k:>3} x {args.tokens:<3} {reference.get_seq_length():>6} {threads:>7} {path:>4} {n:>9}"
+                    f" {cpu:>7.1f} {wall:>7.1f} {n / cpu:>9.3f} {n / wall:>10.3f}"
+                )
+            print(
+                f"{'':>8} new / old: {rates['new'] / rates['old']:.1f}x questions per CPU-second; greedy answers "
+                f"{'the same' if same else 'DIFFER'}, max |d log p| (joined prefill) {dlp:.1e}; {load()}"
+            )
+
+
+if __name__ == "__main__":
+    main()
