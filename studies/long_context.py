@@ -30,7 +30,6 @@ import kvlab  # noqa: E402
 from kvlab.atomic import atomic_path, atomic_write_text  # noqa: E402
 from kvlab.findings import longctx  # noqa: E402
 
-
 CI_KEYS = ("kl", "em", "agree", "agree_right")
 
 
