@@ -151,6 +151,8 @@ def test_drafts_change_nothing_but_the_work():
         assert [r.greedy for r in drafted] == [r.greedy for r in plain]
         # The probes' own pass is the same with or without a draft: bit for bit, so KL 0 stays 0.
         assert all(torch.equal(a.log_probs, b.log_probs) for a, b in zip(drafted, plain))
+    # And whatever the greedy length (a remembered reference reading may be a longer one).
+    assert all(torch.equal(a.log_probs, b.log_probs) for a, b in zip(read_probes(m, cache, PROBES), plain))
 
 
 def test_groups_read_what_one_pass_reads():
