@@ -46,6 +46,7 @@ from kvlab.lab.kernel import KERNEL_NAME, kernel_name
 from kvlab.measure.case import Case, FidelityReference
 from kvlab.measure.fidelity import Fidelity, fidelity, merge_seconds, merge_times
 from kvlab.measure.mismatch import VARIANT_KINDS, MismatchResult, mismatch_kl, variants
+from kvlab.measure.probes import ProbeRead, read_probes
 from kvlab.measure.stats import CI, holm, mean_ci, paired_diff_ci, paired_p, proportion_ci
 from kvlab.models.catalog import model_names
 from kvlab.models.loaded import DEFAULT_MODEL, LoadedModel
@@ -70,7 +71,7 @@ __all__ = [
     "STRICT_FIELDS", "Difference", "fingerprint", "CacheFileWarning", "load_cache", "read_header", "save_cache",
     "verify_file",
     # measures
-    "Case", "FidelityReference", "Fidelity", "fidelity", "merge_seconds", "merge_times",
+    "Case", "FidelityReference", "Fidelity", "fidelity", "merge_seconds", "merge_times", "ProbeRead", "read_probes",
     "VARIANT_KINDS", "MismatchResult", "mismatch_kl", "variants", "CI", "mean_ci", "paired_diff_ci",
     "proportion_ci", "paired_p", "holm",
     # findings

@@ -69,8 +69,9 @@ class FidelityReference:
             Per probe: ``log_probs`` ``[vocab]`` float64 and ``greedy_tokens`` greedy ids.
         """
         missing = list(dict.fromkeys(p for p in probes if self._known(p, greedy_tokens) is None))
-        for p, r in zip(missing, read_probes(self.model, self.cache, missing, greedy=greedy_tokens)):
-            self._reads[(p, greedy_tokens)] = (r.log_probs, r.greedy)
+        if missing:
+            for p, r in zip(missing, read_probes(self.model, self.cache, missing, greedy=greedy_tokens)):
+                self._reads[(p, greedy_tokens)] = (r.log_probs, r.greedy)
         return [ProbeRead(p, *self._known(p, greedy_tokens)) for p in probes]
 
     def read(self, probe: str, greedy_tokens: int) -> tuple[torch.Tensor, list[int]]:

@@ -4,18 +4,19 @@
 their greedy continuations together, without copying the cache per probe or per token:
 
 * The past is copied once per call, into per-layer buffers with room after it for every
-  token the call adds (:class:`ProbeCache`); new keys and values are written into that
-  room in place. ``DynamicLayer.update`` would instead build a new tensor with
-  ``torch.cat`` in every forward pass: the whole past copied again for each decoded token.
+  token the call adds (:class:`kvlab.measure.room.ProbeCache`); new keys and values are
+  written into that room in place. ``DynamicLayer.update`` would instead build a new tensor
+  with ``torch.cat`` in every forward pass: the whole past copied again per decoded token.
 * The probes are packed one after another into one sequence of batch 1 behind the shared
   past, each at the positions it would have alone (``T .. T + L_i - 1`` behind a cache of
   ``T`` tokens), under a mask that lets each token see the past and the earlier tokens of
-  its own probe only (:func:`visible`). A right-padded batch of ``B`` rows would need the
-  past ``B`` times over: attention reads keys ``[batch, kv_heads, T, head_dim]``.
+  its own probe only (:func:`kvlab.measure.room.visible`). A right-padded batch of ``B``
+  rows would need the past ``B`` times over (attention reads ``[batch, kv_heads, T,
+  head_dim]`` keys): 188 MB a row behind SmolLM2's 8 x 512 tokens.
 * A continuation (an answer) is scored by teacher forcing: its tokens follow the probe's
   in the same forward pass, and the distributions at all of them are read at once.
-* A draft (a guess of the greedy continuation, e.g. the joined prefill's) is checked the
-  same way: where the model's argmax agrees with it, no decoding step is needed.
+* A draft (a guess of the greedy continuation, e.g. the joined prefill's) is checked in one
+  more pass: where the model's argmax agrees with it, no decoding step is needed.
 
 The caller's cache is only read, never written: its tensors and lengths are the same after.
 """
@@ -27,22 +28,17 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvlab.cache.fragments import tokenize
 from kvlab.errors import MergeError
+from kvlab.measure.room import CONTINUATION, DEAD, DRAFT, PROBE, ProbeCache, Slots, masks
 from kvlab.models.loaded import LoadedModel
-from kvlab.models.rope import CONDITIONAL_ROPE_TYPES, check_positions, layer_ropes, layer_types
+from kvlab.models.rope import CONDITIONAL_ROPE_TYPES, check_positions, layer_ropes
 
-#: Query tokens per forward pass (probes, continuations and drafts of one group of probes). Bounds
+#: Query tokens per forward pass (the probes and continuations of one group of probes). Bounds
 #: the mask (``[tokens, T + tokens]`` floats) and the rows of logits read at once; more groups cost
 #: more, smaller forward passes, never another copy of the past.
 MAX_TOKENS = 1024
-
-#: What a slot after the past holds, for :func:`visible`: the probe or a greedy token (seen by
-#: every later token of its probe), a continuation or a draft token (seen by later tokens of the
-#: same kind only), or nothing any more (a rejected draft token).
-PROBE, CONTINUATION, DRAFT, DEAD = 0, 1, 2, -1
 
 
 @dataclass(frozen=True, eq=False)
@@ -76,148 +72,6 @@ class ProbeRead:
             raise MergeError("this probe was read without a continuation")
         rows = self.continuation_log_probs
         return rows.gather(-1, self.continuation.to(rows.device)[:, None])[:, 0]
-
-
-class ProbeLayer(CacheLayerMixin):
-    """One layer's past, copied once, with room after it that new keys/values are written into.
-
-    Stands in for the caller's layer during a read. ``update`` copies the new tokens into
-    the room (the past is not copied again) and returns views of every slot written so
-    far; :func:`visible`'s mask says which of them each token attends to.
-
-    Parameters
-    ----------
-    layer : CacheLayerMixin
-        The caller's layer: keys/values ``[1, kv_heads, kept, head_dim]`` holding positions
-        ``seen - kept .. seen - 1`` (a sliding layer keeps its last ``window - 1``). Only read.
-    room : int
-        Slots after the past.
-    """
-
-    is_compileable = False
-    is_croppable = False
-
-    def __init__(self, layer: CacheLayerMixin, room: int):
-        super().__init__()
-        k, v = layer.keys, layer.values
-        self.kept, self.seen = k.shape[-2], layer.get_seq_length()
-        self.is_sliding = bool(getattr(layer, "is_sliding", False))
-        self.window = getattr(layer, "sliding_window", None) if self.is_sliding else None
-        self.keys = k.new_empty((1, k.shape[1], self.kept + room, k.shape[3]))
-        self.values = v.new_empty((1, v.shape[1], self.kept + room, v.shape[3]))
-        # The one copy of the past in a read: every probe and decoded token attends to these slots.
-        self.keys[:, :, : self.kept] = k
-        self.values[:, :, : self.kept] = v
-        self.fill = self.kept
-        self.device, self.is_initialized = k.device, True
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        pass  # allocated in __init__, from the caller's layer
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Write ``[1, kv_heads, n, head_dim]`` new keys/values after the last slot; return all slots written."""
-        n = key_states.shape[-2]
-        if self.fill + n > self.keys.shape[-2]:
-            raise MergeError(f"a probe read overflows its room: {self.fill + n} > {self.keys.shape[-2]} slots")
-        self.keys[:, :, self.fill : self.fill + n] = key_states
-        self.values[:, :, self.fill : self.fill + n] = value_states
-        self.fill += n
-        return self.keys[:, :, : self.fill], self.values[:, :, : self.fill]
-
-    def rewind(self) -> None:
-        """Forget the slots written after the past: the next group of probes writes over them."""
-        self.fill = self.kept
-
-    def past_positions(self) -> torch.Tensor:
-        """``[kept]`` positions of the past's slots."""
-        return torch.arange(self.seen - self.kept, self.seen, device=self.device)
-
-    def get_seq_length(self) -> int:
-        return self.seen
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.fill + query_length, 0  # not used: read_probes hands the model its own 4-D masks
-
-    def get_max_length(self) -> int:
-        return self.keys.shape[-2]
-
-
-class ProbeCache(Cache):
-    """The caller's cache as :class:`ProbeLayer` s: its past copied once, with ``room`` slots after it."""
-
-    def __init__(self, cache: DynamicCache, room: int):
-        super().__init__(layers=[ProbeLayer(layer, room) for layer in cache.layers])
-
-    def rewind(self) -> None:
-        for layer in self.layers:
-            layer.rewind()
-
-
-@dataclass
-class Slots:
-    """Whose each slot written after the past is, in the order written.
-
-    Attributes
-    ----------
-    pos : torch.Tensor
-        ``[n]`` int64 absolute position.
-    seq : torch.Tensor
-        ``[n]`` int64 index of the probe (in its group).
-    kind : torch.Tensor
-        ``[n]`` int64: :data:`PROBE`, :data:`CONTINUATION`, :data:`DRAFT` or :data:`DEAD`.
-    """
-
-    pos: torch.Tensor
-    seq: torch.Tensor
-    kind: torch.Tensor
-
-    def add(self, other: Slots) -> None:
-        self.pos, self.seq, self.kind = (torch.cat([a, b]) for a, b in zip(self.astuple(), other.astuple()))
-
-    def astuple(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.pos, self.seq, self.kind
-
-
-def visible(layer: ProbeLayer, slots: Slots, queries: Slots) -> torch.Tensor:
-    """``[Q, kept + n]`` bool: which slots each query token attends to on ``layer``.
-
-    A token at position ``p`` of probe ``i`` sees the past and the slots of probe ``i`` at
-    positions ``<= p`` that are probe or greedy tokens, or of its own kind (a continuation
-    sees its continuation, a draft its draft); on a sliding layer only positions ``> p -
-    window``. That is what it would see read alone behind the cache. ``slots`` holds the
-    queries' own slots already: a layer writes them before it attends.
-    """
-    p = queries.pos[:, None]
-    own = (slots.seq[None, :] == queries.seq[:, None]) & (slots.pos[None, :] <= p)
-    own &= (slots.kind[None, :] == PROBE) | (slots.kind[None, :] == queries.kind[:, None])
-    own &= slots.kind[None, :] != DEAD
-    past = torch.ones((len(queries.pos), layer.kept), dtype=torch.bool, device=p.device)
-    if layer.window is not None:
-        past &= layer.past_positions()[None, :] > p - layer.window
-        own &= slots.pos[None, :] > p - layer.window
-    return torch.cat([past, own], dim=1)
-
-
-def masks(model: LoadedModel, cache: ProbeCache, slots: Slots, queries: Slots):
-    """The 4-D attention mask(s) of one forward pass, as the model takes them.
-
-    One ``[1, 1, Q, kept + n]`` mask per kind of layer (same ``kept`` and window): a model with
-    one kind gets the tensor, a hybrid one (Gemma 3) a dict by layer type. Additive floats (0
-    or the dtype's minimum) for sdpa as for eager attention: handed a boolean mask, torch's
-    CPU sdpa converts it in every layer (measured: 9% of a read).
-    """
-    by_type: dict[str, torch.Tensor] = {}
-    kinds: dict[tuple, torch.Tensor] = {}
-    for t, layer in zip(layer_types(model.config), cache.layers):
-        kind = (layer.kept, layer.window)
-        if kind not in kinds:
-            seen = visible(layer, slots, queries)[None, None]
-            kinds[kind] = torch.zeros(seen.shape, dtype=model.dtype, device=seen.device).masked_fill_(
-                ~seen, torch.finfo(model.dtype).min
-            )
-        if by_type.setdefault(t, kinds[kind]) is not kinds[kind]:
-            raise MergeError(f"layers of type {t!r} hold different lengths or windows; one mask cannot serve them")
-    return next(iter(kinds.values())) if len(kinds) == 1 else by_type
 
 
 def groups(lengths: list[int], alone: bool, max_tokens: int) -> list[list[int]]:
@@ -286,10 +140,10 @@ def read_probes(
         Greedy tokens decoded after each probe (``0``: none).
     draft : sequence, optional
         One per probe: token ids the greedy continuation is likely to be (e.g. the joined
-        prefill's). Checked in the probes' forward pass; decoding starts after the longest
-        prefix the model's own argmax agrees with. The result does not depend on it.
+        prefill's). Checked in one forward pass after the probes'; decoding starts after the
+        longest prefix the model's own argmax agrees with. The result does not depend on it.
     max_tokens : int
-        Query tokens (probe, continuation and draft) per forward pass.
+        Probe and continuation tokens per forward pass.
 
     Returns
     -------
@@ -297,28 +151,15 @@ def read_probes(
         One per probe, in order: ``log_probs`` ``[vocab]`` float64, ``greedy`` (``greedy``
         ids) and, with a continuation, its ``[C_i]`` ids and ``[C_i, vocab]`` float64 log-probs.
     """
-    if greedy < 0:
-        raise MergeError(f"greedy must be >= 0, got {greedy}")
-    if max_tokens < 1:
-        raise MergeError(f"max_tokens must be >= 1, got {max_tokens}")
-    for name, extra in (("continuations", continuation), ("drafts", draft)):
-        if extra is not None and len(extra) != len(probes):
-            raise MergeError(f"{len(extra)} {name} for {len(probes)} probes")
-    if any(layer.keys.shape[0] != 1 for layer in cache.layers):
-        raise MergeError("probes are read behind a cache of batch size 1")
-    impl = getattr(model.config, "_attn_implementation", None) or "eager"
-    if impl not in ("sdpa", "eager"):
-        raise MergeError(
-            f"reading probes needs attention 'sdpa' or 'eager' (it passes its own 4-D masks), not {impl!r}"
-        )
+    _check(model, cache, probes, continuation, draft, greedy, max_tokens)
     if not probes:
         return []
     ids = [tokenize(model, p) for p in probes]
     conts = [None] * len(probes) if continuation is None else [_ids(model, c) for c in continuation]
-    # Only the first greedy - 1 draft tokens can save a step: the last greedy token is never fed back.
     alone = reads_alone(model)
     drafts = [torch.zeros(0, dtype=torch.long)] * len(probes)
-    # A draft read alongside would move a conditional schedule's largest position: none for those.
+    # Only the first greedy - 1 draft tokens can save a step: the last greedy token is never fed
+    # back. A model whose schedule follows the largest position of a pass reads no draft.
     if draft is not None and greedy > 1 and not alone:
         drafts = [_ids(model, d)[: greedy - 1] for d in draft]
     if any(len(x) == 0 for x in ids) or any(c is not None and len(c) == 0 for c in conts):
@@ -342,6 +183,24 @@ def read_probes(
             out[i] = ProbeRead(probes[i], *read)
         work.rewind()
     return out
+
+
+def _check(model, cache, probes, continuation, draft, greedy: int, max_tokens: int) -> None:
+    """Refuse what :func:`read_probes` cannot read, before any work."""
+    if greedy < 0:
+        raise MergeError(f"greedy must be >= 0, got {greedy}")
+    if max_tokens < 1:
+        raise MergeError(f"max_tokens must be >= 1, got {max_tokens}")
+    for name, extra in (("continuations", continuation), ("drafts", draft)):
+        if extra is not None and len(extra) != len(probes):
+            raise MergeError(f"{len(extra)} {name} for {len(probes)} probes")
+    if any(layer.keys.shape[0] != 1 for layer in cache.layers):
+        raise MergeError("probes are read behind a cache of batch size 1")
+    impl = getattr(model.config, "_attn_implementation", None) or "eager"
+    if impl not in ("sdpa", "eager"):
+        raise MergeError(
+            f"reading probes needs attention 'sdpa' or 'eager' (it passes its own 4-D masks), not {impl!r}"
+        )
 
 
 class _Group:

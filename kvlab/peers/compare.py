@@ -356,7 +356,7 @@ def merge_side_by_side(
     if not kvlab_rows:
         return rows
     ref = FidelityReference(model, joined_prefill(model, frags).cache)
-    k_joined = [ref.read(p, 0)[0] for p in probes]
+    k_joined = [r.log_probs for r in ref.reads(probes, 0)]
     for strategy, opts in (("naive", {}), ("rerotate", {}), ("recompute", {"ratio": ratio})):
         fid = fidelity(model, frags, strategy, probes=probes, greedy_tokens=0, reference=ref, **opts)
         rows.append(

@@ -11,15 +11,18 @@ from kvlab.cache.fragments import clone_cache, tokenize
 from kvlab.errors import MergeError
 from kvlab.findings.longctx import make_set
 from kvlab.measure.metrics import kl_divergence
-from kvlab.measure.probes import ProbeCache, read_probes
+from kvlab.measure.probes import read_probes
 from kvlab.measure.references import context_reference
+from kvlab.measure.room import ProbeCache
 from kvlab.models.tiny import TINY_CONFIGS
 
 TEXTS = ["The first fragment of the case, with some more words.", " The second fragment follows it and goes on."]
 PROBES = [" and", " The keeper counted", " Maren was the keeper's daughter and", " x"]
 # Each probe read alone behind a clone agrees with the packed read to fp32 rounding: measured up
-# to 3e-7 (tiny models) and 4e-5 (SmolLM2 behind 4k tokens) in a log-probability.
-ATOL = 1e-5
+# to 3e-7 in a log-probability on the tiny models. On the real models (30 and 18 layers) it is
+# 2e-5 to 3e-5, the same as the old path differs from itself when it reads a probe in two
+# forward passes instead of one (1.4e-5 to 3.4e-5 measured, SmolLM2 2 x 512, Gemma 3 2 x 400).
+ATOL, REAL_ATOL = 1e-5, 1e-4
 
 
 @torch.inference_mode()
@@ -69,10 +72,10 @@ def assert_untouched(cache, snap):
         assert torch.equal(k, k0) and torch.equal(v, v0) and layer.get_seq_length() == n
 
 
-def assert_same_reads(m, cache, probes, new, greedy):
+def assert_same_reads(m, cache, probes, new, greedy, atol=ATOL):
     for p, r in zip(probes, new, strict=True):
         lp, g = old_read_probe(m, cache, p, greedy)
-        torch.testing.assert_close(r.log_probs, lp, rtol=0, atol=ATOL)
+        torch.testing.assert_close(r.log_probs, lp, rtol=0, atol=atol)
         assert abs(kl_divergence(lp, r.log_probs)) < 1e-9
         assert r.greedy == g, (p, r.greedy, g)
 
@@ -148,6 +151,8 @@ def test_drafts_change_nothing_but_the_work():
         assert [r.greedy for r in drafted] == [r.greedy for r in plain]
         # The probes' own pass is the same with or without a draft: bit for bit, so KL 0 stays 0.
         assert all(torch.equal(a.log_probs, b.log_probs) for a, b in zip(drafted, plain))
+    # And whatever the greedy length (a remembered reference reading may be a longer one).
+    assert all(torch.equal(a.log_probs, b.log_probs) for a, b in zip(read_probes(m, cache, PROBES), plain))
 
 
 def test_groups_read_what_one_pass_reads():
@@ -178,7 +183,7 @@ def test_what_read_probes_refuses():
         read_probes(m, wide, PROBES)
 
 
-def study_case(model, n_fragments, tokens, questions=4):
+def study_case(model, n_fragments, tokens, questions=3):
     s = make_set(model, n_fragments, tokens, seed=n_fragments, max_questions=questions)
     frags, probes = kvlab.passage_fragments(model, s)
     return frags, probes
@@ -189,12 +194,12 @@ def test_the_old_reads_on_smollm2(smollm2, strategy):
     frags, probes = study_case(smollm2, 2, 512)
     cache, ref = kvlab.merge(frags, strategy, smollm2), context_reference(smollm2, frags)
     snap = snapshot(cache)
-    new, want = read_probes(smollm2, cache, probes, greedy=12), read_probes(smollm2, ref, probes, greedy=12)
+    new, want = read_probes(smollm2, cache, probes, greedy=8), read_probes(smollm2, ref, probes, greedy=8)
     assert_untouched(cache, snap)
-    assert_same_reads(smollm2, cache, probes, new, 12)
+    assert_same_reads(smollm2, cache, probes, new, 8, REAL_ATOL)
     for p, r, w in zip(probes, new, want):
         old_kl = kl_divergence(old_read_probe(smollm2, ref, p)[0], old_read_probe(smollm2, cache, p)[0])
-        assert abs(kl_divergence(w.log_probs, r.log_probs) - old_kl) < 1e-6
+        assert kl_divergence(w.log_probs, r.log_probs) == pytest.approx(old_kl, rel=1e-5, abs=1e-6)
 
 
 @pytest.mark.parametrize("strategy", ["naive", "rerotate"])
@@ -204,9 +209,9 @@ def test_the_old_reads_on_gemma3_past_its_window(gemma3, strategy):
     cache, ref = kvlab.merge(frags, strategy, gemma3), context_reference(gemma3, frags)
     assert cache.get_seq_length() > 512 and cache.layers[0].keys.shape[-2] == 511
     snap = snapshot(cache)
-    new, want = read_probes(gemma3, cache, probes, greedy=12), read_probes(gemma3, ref, probes, greedy=12)
+    new, want = read_probes(gemma3, cache, probes, greedy=8), read_probes(gemma3, ref, probes, greedy=8)
     assert_untouched(cache, snap)
-    assert_same_reads(gemma3, cache, probes, new, 12)
+    assert_same_reads(gemma3, cache, probes, new, 8, REAL_ATOL)
     for p, r, w in zip(probes, new, want):
         old_kl = kl_divergence(old_read_probe(gemma3, ref, p)[0], old_read_probe(gemma3, cache, p)[0])
-        assert abs(kl_divergence(w.log_probs, r.log_probs) - old_kl) < 1e-6
+        assert kl_divergence(w.log_probs, r.log_probs) == pytest.approx(old_kl, rel=1e-5, abs=1e-6)
