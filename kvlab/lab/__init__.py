@@ -12,20 +12,21 @@ import warnings
 #: module regex)`` for :func:`warnings.filterwarnings`: the one place a notebook filter goes,
 #: and only ever by message and category, so every other warning (kvlab's own
 #: :class:`kvlab.CacheFileWarning` for ``strict=False`` first of all) still shows.
-#: Empty today: run with no filter at all, the eight notebooks emit no warning on SmolLM2,
-#: Gemma 3 or the tiny models (transformers' load-time chatter is already kept out by
-#: :func:`kvlab.models.loaded.quiet_transformers`).
+#: Empty today: run with no filter at all, the eight notebooks emit no warning (checked by
+#: running each one on SmolLM2 with its set-up's filters removed, and by the Gemma 3 runs of
+#: ``tests/lab/test_notebooks.py``, which fail on any stderr output).
 NOTEBOOK_NOISE: tuple[tuple[str, type[Warning], str], ...] = ()
 
 
 def setup(seed: int = 0) -> None:
     """Prepare a notebook's kernel: seed every generator and keep known noise out of the outputs.
 
-    Seeds :mod:`random`, NumPy's global generator and torch, sets transformers' logging to
-    errors with its progress bars off (as the notebooks' set-up cells did), and adds the
-    targeted filters of :data:`NOTEBOOK_NOISE`; no warning is silenced wholesale. It loads no
-    model and imports nothing beyond NumPy, torch and transformers (never llama.cpp).
-    ``%matplotlib inline`` stays in the notebook, where Jupyter runs it.
+    Seeds :mod:`random`, NumPy's global generator and torch; turns transformers' progress bars
+    off (without it 06 stores the "Loading weights" bar of the models it loads late) and its
+    logging down to errors, as the notebooks' set-up cells did; and adds the targeted filters
+    of :data:`NOTEBOOK_NOISE`. No warning is silenced wholesale. It loads no model and imports
+    nothing beyond NumPy, torch and transformers (never llama.cpp). ``%matplotlib inline``
+    stays in the notebook: it is a magic of the kernel's shell, not a function call.
 
     Parameters
     ----------
