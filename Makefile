@@ -79,7 +79,7 @@ report: prepare-all peers
 TEST_WORKERS ?= 2
 test: prepare-all peers
 	sh scripts/install-browser.sh
-	MPLBACKEND=Agg $(VENV)/bin/python -m pytest -q -rs -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile \
+	MPLBACKEND=Agg $(VENV)/bin/python -m pytest -q -rfEs -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile \
 		--durations=10 notebooks tests --nbval --nbval-sanitize-with notebooks/sanitize.cfg
 
 # Unit tests on the tiny models, for the edit loop (no real model, notebook, browser or cluster).
