@@ -30,7 +30,7 @@ import kvlab  # noqa: E402
 from kvlab.atomic import atomic_path, atomic_write_text  # noqa: E402
 from kvlab.findings import longctx  # noqa: E402
 
-CI_KEYS = ("kl", "em", "agree", "agree_right")
+CI_KEYS = ("kl", "span_kl", "nll", "em", "agree", "ref_em", "agree_right")
 
 
 def ci_dict(c):
@@ -46,27 +46,27 @@ def write(out: Path, model, args, rows, timings, profile, started):
     summary = [
         {
             **{k: v for k, v in r.items() if k not in CI_KEYS},
-            **{m: ci_dict(r[m]) for m in CI_KEYS},
+            **{m: ci_dict(r.get(m)) for m in CI_KEYS},
         }
         for r in longctx.summarize(rows)
     ]
     by_offset = [
         {
             **{k: v for k, v in r.items() if k not in CI_KEYS},
-            **{m: ci_dict(r[m]) for m in CI_KEYS},
+            **{m: ci_dict(r.get(m)) for m in CI_KEYS},
         }
         for r in longctx.summarize(rows, ("n_fragments", "strategy", "answer_offset"))
     ]
     diffs = {}
     for k in sorted(t for t in timings if isinstance(t, int)):
-        for m in ("kl", "agree", "em"):
+        for m in ("kl", "span_kl", "nll", "agree", "em"):
             diffs[f"{k} fragments: naive - rerotate {m}"] = ci_dict(
                 longctx.paired(rows, "naive", "rerotate", m, where={"n_fragments": k})
             )
     per_set = [
         {
             **{k: v for k, v in r.items() if k not in CI_KEYS},
-            **{m: None if r[m] is None else r[m].mean for m in CI_KEYS},
+            **{m: None if r.get(m) is None else r[m].mean for m in CI_KEYS},
         }
         for r in longctx.summarize(rows, ("n_fragments", "set", "strategy"))
     ]

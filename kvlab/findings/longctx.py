@@ -165,10 +165,11 @@ def cache_of(row: dict) -> tuple:
 
 
 def summarize(rows: list[dict], by: tuple[str, ...] = ("n_fragments", "strategy"), *, seed: int = 0) -> list[dict]:
-    """Mean and 95% interval of ``kl``, ``em`` and ``agree`` for each group of rows, over caches.
+    """Mean and 95% interval of ``kl``, ``span_kl``, ``nll``, ``em`` and ``agree`` per group of rows, over caches.
 
-    Intervals resample caches (:func:`cache_of`), then questions within them; ``em`` and ``agree``
-    are rates (:func:`kvlab.proportion_ci`: never collapsing at 0 or 1). Agreement with the joined
+    Intervals resample caches (:func:`cache_of`), then questions within them; ``em``, ``agree``
+    and ``ref_em`` (the joined prefill's exact match: the full-context ceiling) are rates
+    (:func:`kvlab.proportion_ci`: never collapsing at 0 or 1). Agreement with the joined
     prefill counts only where that reference is right, so ``agree_right`` is over the
     ``n_ref_right`` questions whose reference answer is exact; ``ref_top_share`` is the share of
     reference answers that are its single most common answer (a degenerate reference repeats one).
@@ -176,9 +177,10 @@ def summarize(rows: list[dict], by: tuple[str, ...] = ("n_fragments", "strategy"
     Returns
     -------
     list of dict
-        The ``by`` keys, ``n`` (questions), ``n_caches``, ``kl``, ``em``, ``agree``, ``agree_right``
-        (each a :class:`kvlab.measure.stats.CI`; ``agree_right`` None when the reference is never
-        right), ``n_ref_right`` and ``ref_top_share``.
+        The ``by`` keys, ``n`` (questions), ``n_caches``, ``kl``, ``span_kl`` and ``nll`` (where
+        the rows have them), ``em``, ``agree``, ``ref_em``, ``agree_right`` (each a
+        :class:`kvlab.measure.stats.CI`; ``agree_right`` None when the reference is never right),
+        ``n_ref_right`` and ``ref_top_share``.
     """
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
@@ -187,8 +189,10 @@ def summarize(rows: list[dict], by: tuple[str, ...] = ("n_fragments", "strategy"
     for key, rs in groups.items():
         caches = [cache_of(r) for r in rs]
         row = dict(zip(by, key), n=len(rs), n_caches=len(set(caches)))
-        row["kl"] = mean_ci([float(r["kl"]) for r in rs], clusters=caches, seed=seed)
-        for m in ("em", "agree"):
+        for m in ("kl", "span_kl", "nll"):
+            if m == "kl" or all(m in r for r in rs):
+                row[m] = mean_ci([float(r[m]) for r in rs], clusters=caches, seed=seed)
+        for m in ("em", "agree", "ref_em"):
             row[m] = proportion_ci([bool(r[m]) for r in rs], clusters=caches, seed=seed)
         right = [r for r in rs if r["ref_em"]]
         row["n_ref_right"] = len(right)

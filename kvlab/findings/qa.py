@@ -89,7 +89,10 @@ def ask(
         passage holding the answer lands), ``strategy``, ``answer`` (the span), ``truth``,
         ``em`` and ``contains`` (against the truth), ``ref_answer``, ``ref_em`` (the joined
         prefill's), ``agree`` (normalised span equals the joined prefill's), ``kl`` (next-token
-        KL against the joined prefill, nats), ``top1``, ``merge_s``.
+        KL against the joined prefill, nats), ``top1``, ``span_kl`` (KL per answer token with the
+        true answer teacher-forced, nats), ``nll`` and ``nll_ref`` (the true answer's negative
+        log-likelihood behind the merge and behind the joined prefill, nats), ``span_tokens``,
+        ``merge_s``.
     """
     if greedy_tokens < 1:
         raise MergeError(f"greedy_tokens must be >= 1 to read an answer, got {greedy_tokens}")
@@ -102,7 +105,15 @@ def ask(
     lands = landing_positions(fragments)
     rows = []
     for label, strategy in strategies.items():
-        fid = fidelity(model, fragments, strategy, probes=probes, greedy_tokens=greedy_tokens, reference=reference)
+        fid = fidelity(
+            model,
+            fragments,
+            strategy,
+            probes=probes,
+            greedy_tokens=greedy_tokens,
+            reference=reference,
+            answers=[q.answer for q in evalset.questions],
+        )
         for q, pr in zip(evalset.questions, fid.probes):
             ans, ref = answer_span(pr["greedy"]), answer_span(pr["greedy_ref"])
             where = q.passages[-1]
@@ -123,6 +134,10 @@ def ask(
                     "agree": normalize(ans) == normalize(ref),
                     "kl": pr["kl"],
                     "top1": pr["agree"],
+                    "span_kl": pr["span_kl"],
+                    "nll": pr["nll"],
+                    "nll_ref": pr["nll_ref"],
+                    "span_tokens": pr["span_tokens"],
                     "merge_s": fid.merge_s,
                 }
             )

@@ -168,38 +168,47 @@ def error_budget(budget: dict[str, dict[str, np.ndarray]], model_name: str) -> F
     return fig
 
 
-def reader_kl(results: dict, kl_ci: dict, model_name: str, n_probes: int, seed: int = 0) -> Figure:
-    """Per-probe next-token KL of each same-shape reader behind the producer's cache (nats, log scale).
+def reader_kl(rows: dict, ci: dict, model_name: str, n_caches: int, kinds: list[str], seed: int = 0) -> Figure:
+    """Per-question first-token and answer-span KL of each same-shape reader behind the producer's caches.
 
-    Each probe is a jittered dot; the black square and bar are the mean and its 95% CI.
+    Two panels on one log scale (nats): the first answer token's KL, and the answer-span KL per
+    token. Each question is a dot coloured by its kind; the black square and bar are the mean
+    and its 95% interval over caches. Exact zeros (an fp16 reader can land on them) are drawn
+    on a labelled floor line.
 
     Parameters
     ----------
-    results : dict
-        reader kind -> :class:`kvlab.MismatchResult` (its ``rows`` carry one ``kl`` per probe).
-    kl_ci : dict
-        reader kind -> :class:`kvlab.CI` of the per-probe KL.
-    n_probes : int
-        Probes per reader (for the title).
+    rows : dict
+        reader kind -> list of dict with ``kl``, ``span_kl`` and ``kind`` (one per question).
+    ci : dict
+        ``(reader, "kl")`` and ``(reader, "span_kl")`` -> :class:`kvlab.CI`.
+    n_caches : int
+        Independent caches behind the questions (for the title).
+    kinds : list of str
+        The question kinds, in legend order.
     seed : int
         Seeds the horizontal jitter of the dots.
     """
-    fig, ax = plt.subplots(figsize=(8, 3.8), constrained_layout=True)
-    floor = 1e-8  # fp16 readers can land on exactly 0; the log axis needs a floor
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4), sharey=True, constrained_layout=True)
+    floor = 1e-8
     rng = np.random.default_rng(seed)
-    for i, (kind, res) in enumerate(results.items()):
-        kls = np.maximum([r.kl for r in res.rows], floor)
-        ax.plot(i + rng.uniform(-0.15, 0.15, kls.size), kls, ".", color=f"C{i}", alpha=0.5)
-        k = kl_ci[kind]
-        mean, lo, hi = (max(v, floor) for v in (k.mean, k.lo, k.hi))
-        ax.errorbar([i + 0.3], [mean], yerr=[[mean - lo], [hi - mean]], fmt="s", color="k", capsize=4)
-    ax.set(
-        xticks=range(len(results)),
-        xticklabels=list(results),
-        yscale="log",
-        xlabel="same-shape reader",
-        ylabel=f"next-token KL (nats, floored at {floor:g})",
-        title=f"{model_name}: reader vs producer cache, {n_probes} probes (black: mean, 95% CI)",
+    for ax, metric, label in zip(axes, ("kl", "span_kl"), ("first answer token", "answer span, per token")):
+        for i, (reader, rs) in enumerate(rows.items()):
+            for j, kind in enumerate(kinds):
+                v = np.maximum([r[metric] for r in rs if r["kind"] == kind], floor)
+                ax.plot(
+                    i + rng.uniform(-0.2, 0.2, v.size), v, ".", color=f"C{j}", alpha=0.4, label=kind if i == 0 else None
+                )
+            c = ci[reader, metric]
+            mean, lo, hi = (max(x, floor) for x in (c.mean, c.lo, c.hi))
+            ax.errorbar([i + 0.32], [mean], yerr=[[mean - lo], [hi - mean]], fmt="s", color="k", capsize=4)
+        ax.axhline(floor, color="grey", lw=0.8, ls=":", label=f"exact 0 (drawn at {floor:g})")
+        ax.set(xticks=range(len(rows)), xticklabels=list(rows), yscale="log", xlabel="same-shape reader", title=label)
+    axes[0].set_ylabel("KL(own || foreign), nats")
+    axes[1].legend(title="question kind", fontsize=8, loc="lower right")
+    n = sum(len(rs) for rs in rows.values()) // max(1, len(rows))
+    fig.suptitle(
+        f"{model_name}: readers behind the producer's caches, {n} questions, {n_caches} caches (black: mean, 95% CI)"
     )
     return fig
 

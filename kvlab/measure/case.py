@@ -59,6 +59,7 @@ class FidelityReference:
     def __init__(self, model: LoadedModel, cache: DynamicCache):
         self.model, self.cache = model, cache
         self._reads: dict = {}
+        self._spans: dict = {}
 
     def reads(self, probes: list[str], greedy_tokens: int) -> list[ProbeRead]:
         """:func:`kvlab.measure.probes.read_probes` of the reference, remembered; the probes not yet read in one call.
@@ -73,6 +74,22 @@ class FidelityReference:
             for p, r in zip(missing, read_probes(self.model, self.cache, missing, greedy=greedy_tokens)):
                 self._reads[(p, greedy_tokens)] = (r.log_probs, r.greedy)
         return [ProbeRead(p, *self._known(p, greedy_tokens)) for p in probes]
+
+    def spans(self, probes: list[str], continuations: list[str]) -> list[ProbeRead]:
+        """``read_probes(..., continuation=continuations)`` of the reference, remembered per call.
+
+        Remembered for the whole list, not per probe: a cache under test is read with the same
+        list, packed the same way, so a cache equal to the reference bit for bit scores 0.
+
+        Returns
+        -------
+        list of ProbeRead
+            Per probe: ``continuation_log_probs`` ``[C, vocab]`` float64.
+        """
+        key = (tuple(probes), tuple(continuations))
+        if key not in self._spans:
+            self._spans[key] = read_probes(self.model, self.cache, list(probes), continuation=list(continuations))
+        return self._spans[key]
 
     def read(self, probe: str, greedy_tokens: int) -> tuple[torch.Tensor, list[int]]:
         """One probe's :meth:`reads`: ``[vocab]`` float64 log-probabilities and ``greedy_tokens`` greedy ids."""

@@ -2,8 +2,10 @@
 
 Three measures on a set of probe texts read behind each cache: the next-token KL and
 top-1 agreement (:func:`kvlab.measure.metrics.next_token_kl`), and the agreement of greedy
-continuations, each continued from its own cache. When given a strategy rather than a
-cache, the merge is run and its wall time recorded too.
+continuations, each continued from its own cache. Given the true answers, each probe's
+answer span is scored too (:func:`kvlab.measure.span.span_scores`: per-token KL over the
+answer and the truth's likelihood). When given a strategy rather than a cache, the merge is
+run and its wall time recorded too.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from kvlab.measure.case import Case, FidelityReference
 from kvlab.measure.metrics import kl_row
 from kvlab.measure.probes import read_probes
 from kvlab.measure.references import context_reference
+from kvlab.measure.span import span_scores
 from kvlab.models.loaded import LoadedModel
 
 
@@ -50,6 +53,8 @@ class Fidelity:
         Tokens generated per probe.
     merge_s : float or None
         Wall time of the merge in seconds (``None`` when a ready cache was measured).
+    span_kl_mean : float or None
+        Mean over probes of the answer-span KL, nats per token (``None`` without answers).
     probes : list of dict
         Per probe: ``probe``, ``kl``, ``top1_ref``, ``top1``, ``agree`` (as
         :func:`kvlab.measure.metrics.next_token_kl`), ``greedy_ref``, ``greedy`` (decoded text).
@@ -65,6 +70,7 @@ class Fidelity:
     greedy_tokens: int
     merge_s: float | None
     probes: list[dict] = field(default_factory=list, repr=False)
+    span_kl_mean: float | None = None
 
     def row(self) -> dict:
         """One flat table row: the summary fields, options inlined, no per-probe detail."""
@@ -77,6 +83,7 @@ class Fidelity:
             greedy_prefix=self.greedy_prefix,
             greedy_tokens=self.greedy_tokens,
             merge_s=self.merge_s,
+            span_kl_mean=self.span_kl_mean,
         )
         return out
 
@@ -88,9 +95,10 @@ def merge_times(
     *,
     repeats: int = 5,
     warmup: int = 1,
+    clock: str = "wall",
     **options,
 ) -> list[float]:
-    """Wall times in seconds of ``repeats`` merges, after ``warmup`` untimed ones.
+    """Wall times (or ``clock="cpu"``: CPU times) in seconds of ``repeats`` merges, after ``warmup`` untimed ones.
 
     A first call pays one-time costs (allocator growth, rotation tables, lazy imports) that
     are not the strategy's; a single cold timing of a 10 ms merge can come out slower than a
@@ -98,17 +106,26 @@ def merge_times(
     is the cost to report, their minimum the one to compare when other work shares the
     machine, since preemption only ever adds time (a 10 ms merge hit by one 10 ms time slice
     doubles).
+
+    ``clock="cpu"`` counts the CPU seconds of this process (every thread,
+    :func:`time.process_time`) instead: time the process spent waiting for a core that other
+    work held is not counted, so an order of costs taken on a loaded machine is the order on a
+    quiet one.
     """
     if repeats < 1 or warmup < 0:
         raise MergeError(f"merge timing needs repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
+    clocks = {"wall": time.perf_counter, "cpu": time.process_time}
+    if clock not in clocks:
+        raise MergeError(f"merge timing clock must be 'wall' or 'cpu', got {clock!r}")
+    now = clocks[clock]
     strat = resolve(strategy, **options)
     for _ in range(warmup):
         merge(fragments, strat, model)
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = now()
         merge(fragments, strat, model)
-        times.append(time.perf_counter() - t0)
+        times.append(now() - t0)
     return times
 
 
@@ -137,6 +154,7 @@ def fidelity(
     probes: list[str],
     greedy_tokens: int = 16,
     reference: DynamicCache | FidelityReference | Case | None = None,
+    answers: list[str] | None = None,
     **options,
 ) -> Fidelity:
     """Measure a merged cache, or a strategy's merge, against the joined prefill.
@@ -157,6 +175,10 @@ def fidelity(
         The joined prefill, when already at hand (it is never modified); a
         :class:`FidelityReference`, or a :class:`kvlab.Case` of these fragments (its
         ``reference``), also keeps its probe readings across calls.
+    answers : list of str, optional
+        The true answer to each probe (a probe ends with the answer's lead): each probe's row
+        then also holds ``span_kl``, ``nll``, ``nll_ref`` and ``span_tokens``
+        (:func:`kvlab.measure.span.span_scores`), and ``span_kl_mean`` is set.
     **options
         Passed to the strategy (``ratio=``, ``policy=`` ...); not allowed with a cache.
 
@@ -196,6 +218,8 @@ def fidelity(
             f"the merged cache holds {cache.get_seq_length()} tokens, "
             f"the joined prefill {reference.cache.get_seq_length()}"
         )
+    if answers is not None and len(answers) != len(probes):
+        raise MergeError(f"{len(answers)} answers for {len(probes)} probes")
     want = reference.reads(probes, greedy_tokens)
     # The joined prefill's greedy tokens are the draft: where the merge's argmax agrees with
     # them (most tokens, for a good merge), no decoding step is needed.
@@ -210,6 +234,11 @@ def fidelity(
             agree += sum(same) / greedy_tokens
             prefix += (same.index(False) if False in same else greedy_tokens) / greedy_tokens
             row["greedy_ref"], row["greedy"] = model.tokenizer.decode(w.greedy), model.tokenizer.decode(g.greedy)
+    span_mean = None
+    if answers is not None:
+        for row, scores in zip(rows, span_scores(model, cache, reference, probes, answers)):
+            row.update(scores)
+        span_mean = sum(r["span_kl"] for r in rows) / len(rows)
     n = len(rows)
     kls = [r["kl"] for r in rows]
     return Fidelity(
@@ -223,4 +252,5 @@ def fidelity(
         greedy_tokens=greedy_tokens,
         merge_s=merge_s,
         probes=rows,
+        span_kl_mean=span_mean,
     )

@@ -24,7 +24,9 @@ from kvlab.cache.fragments import Fragment, clone_cache, prefill, prefill_ids, s
 from kvlab.errors import CacheFileWarning, KvlabError, MergeError
 from kvlab.files.identity import Difference
 from kvlab.files.io import load_with_differences, save_cache
+from kvlab.measure.case import FidelityReference
 from kvlab.measure.metrics import next_token_kl
+from kvlab.measure.span import span_scores
 from kvlab.models.loaded import LoadedModel
 
 #: What :func:`variants` can make.
@@ -165,13 +167,19 @@ def _finetune(
 class ProbeKL:
     """One probe read behind the reader's own cache and behind the foreign one.
 
-    ``kl`` is ``KL(p_own || p_foreign)`` of the next token, in nats.
+    ``kl`` is ``KL(p_own || p_foreign)`` of the next token, in nats. Read with the true answer
+    (``mismatch_kl(..., answers=)``): ``span_kl``, the same KL per answer token with the answer
+    teacher-forced, and ``nll`` / ``nll_own``, the answer's negative log-likelihood behind the
+    foreign and the own cache (nats); otherwise ``None``.
     """
 
     probe: str
     kl: float
     top1_own: str
     top1_foreign: str
+    span_kl: float | None = None
+    nll: float | None = None
+    nll_own: float | None = None
 
     @property
     def flipped(self) -> bool:
@@ -211,7 +219,9 @@ class MismatchResult:
         return "\n".join(lines)
 
 
-def mismatch_kl(cache_file_or_fragment, reader: LoadedModel, probes=DEFAULT_PROBES) -> MismatchResult:
+def mismatch_kl(
+    cache_file_or_fragment, reader: LoadedModel, probes=DEFAULT_PROBES, answers: list[str] | None = None
+) -> MismatchResult:
     """Per probe, how far the reader moves when it reads a foreign cache instead of its own.
 
     The reader prefills the cache's own source tokens itself (its own cache) and reads
@@ -226,6 +236,9 @@ def mismatch_kl(cache_file_or_fragment, reader: LoadedModel, probes=DEFAULT_PROB
     reader : LoadedModel
         Same geometry as the producer.
     probes : sequence of str
+    answers : list of str, optional
+        The true answer to each probe; each row then also scores the answer span
+        (:func:`kvlab.measure.span.span_scores`, the reader's own cache as the reference).
 
     Returns
     -------
@@ -250,9 +263,17 @@ def mismatch_kl(cache_file_or_fragment, reader: LoadedModel, probes=DEFAULT_PROB
         )
     ids = source_ids(foreign, 0)
     own = prefill_ids(reader, ids, 0)
-    rows = [
-        ProbeKL(r["probe"], r["kl"], r["top1_ref"], r["top1"]) for r in next_token_kl(reader, theirs, own, list(probes))
-    ]
+    probes = list(probes)
+    if answers is None:
+        rows = [
+            ProbeKL(r["probe"], r["kl"], r["top1_ref"], r["top1"]) for r in next_token_kl(reader, theirs, own, probes)
+        ]
+    else:
+        # The answer's passes read the first answer token too: no separate next-token reads.
+        rows = [
+            ProbeKL(r["probe"], r["kl"], r["top1_ref"], r["top1"], r["span_kl"], r["nll"], r["nll_ref"])
+            for r in span_scores(reader, theirs, FidelityReference(reader, own), probes, answers)
+        ]
     return MismatchResult(reader=reader.name, differences=differences, rows=rows)
 
 

@@ -141,6 +141,7 @@ OTHER_PARAMS = {
     "01_phase_error": {"texts": TEXTS, "n_fragments": 3},
     "02_kv_heatmaps": {"texts": TEXTS, "layer": 2},
     "03_fingerprint_kl": {
+        "n_caches": 2,
         "passage_tokens": 24,
         "people_per_passage": 1,
         "max_questions": 3,
@@ -200,7 +201,7 @@ GEMMA_PARAMS = {
     "00_memos_defects": {"turns": 2, "answer_tokens": 4},
     "01_phase_error": {},
     "02_kv_heatmaps": {},
-    "03_fingerprint_kl": {"finetune_steps": 2, "max_questions": 3},
+    "03_fingerprint_kl": {"n_caches": 2, "finetune_steps": 2, "max_questions": 3},
     "04_merge_explorer": {},
     # Three passages of 250 tokens: past the 512-token window, so the window section runs.
     "05_fidelity_vs_cost": {

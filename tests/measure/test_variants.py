@@ -123,6 +123,19 @@ def test_mismatch_kl_of_each_variant(made, saved, kind):
     assert f"reader tiny-llama+{kind}" in res.table()
 
 
+def test_mismatch_kl_scores_the_answer_span(llama, made, saved):
+    probes, answers = ["\nQ: Who keeps the bees? A:", "\nShe sells the"], ["Marta", "honey at the market"]
+    own = mismatch_kl(saved, llama, probes=probes, answers=answers)
+    # The producer reading its own file: the answer scored behind the same cache twice.
+    assert all(r.span_kl == 0.0 and r.nll == r.nll_own > 0 for r in own.rows)
+    res = mismatch_kl(saved, made["finetune"], probes=probes, answers=answers)
+    assert all(r.span_kl > 0 and math.isfinite(r.nll) and r.nll != r.nll_own for r in res.rows)
+    # Without answers: next-token scores only, the same to rounding (the probes are packed otherwise).
+    plain = mismatch_kl(saved, made["finetune"], probes=probes)
+    assert [r.kl for r in plain.rows] == pytest.approx([r.kl for r in res.rows], rel=1e-4, abs=1e-9)
+    assert [r.top1_foreign for r in plain.rows] == [r.top1_foreign for r in res.rows] and plain.rows[0].span_kl is None
+
+
 def test_mismatch_kl_takes_a_fragment(llama, made):
     frag = kvlab.prefill(llama, "A fragment straight from the producer.")
     res = mismatch_kl(frag, made["finetune"], probes=["\nQ: What?"])
