@@ -207,7 +207,8 @@ def conclusions(
     worst = max(finite, key=lambda k: ci[k, "span_kl"].mean)
     d = ci[worst, "dnll"]
     out = [
-        f"Forced through, the {worst} reader moves the answers most: answer-span KL {_ci(ci[worst, 'span_kl'])} "
+        f"On {model_name}, forced through, the {worst} reader moves the answers most: answer-span KL "
+        f"{_ci(ci[worst, 'span_kl'])} "
         f"nats per token; the true answer's negative log-likelihood changes by {_ci(d, '+.3f')} nats "
         + ("(resolved)." if d.excludes(0) else "(not resolved: the truth is not measurably less likely)."),
         f"On {model_name}, over {len(rows) // len(finite)} questions from {len({r['cache'] for r in rows})} "
@@ -226,11 +227,7 @@ def conclusions(
                 "(resolved)" if diff.excludes(0) else "(not resolved)"
             )
         out.append(line + ".")
-    flips = sum(r["flip"] for r in rows)
-    out.append(
-        f"Top-1 first-token flips: {flips} in {len(rows)} reads; the {worst} reader's rate is "
-        f"{_ci(ci[worst, 'flip'], '.3f')}."
-    )
+    out.append(f"The {worst} reader's top-1 first-token flip rate is {_ci(ci[worst, 'flip'], '.3f')}.")
     for kind, toks in first.items():
         a, b = ci.get((worst, kind, "kl")), ci.get((worst, kind, "span_kl"))
         # Said only where the two intervals are apart: the span's lower bound above the first token's upper one.

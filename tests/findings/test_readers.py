@@ -82,10 +82,10 @@ def test_conclusions_say_what_the_numbers_show(first_kl, claimed):
         first={"year": [" "]},
         unreadable_={},
     )
-    assert lines[0].startswith("Forced through, the a reader") and "(resolved)" in lines[0]
+    assert lines[0].startswith("On m, forced through, the a reader") and "(resolved)" in lines[0]
     assert "over 24 questions from 6 independent caches" in lines[1]
     assert "intervals do not overlap" in lines[2] and "a - b" in lines[2]
-    assert "6 in 48 reads" in lines[3]
+    assert "a reader's top-1 first-token flip rate is 0.250 [" in lines[3]
     # The first token is said to miss the answer only where its interval lies below the span's.
     assert any("misses" in line for line in lines) == claimed
     table = study.table(rows, ci, ["a", "b"], {}, "m")
