@@ -12,6 +12,11 @@ behind the joined prefill and behind every merge, with the study's 5 greedy toke
   ``DynamicCache``, whose ``update`` concatenates the whole past again each time. Slow, so
   only the first ``--old-questions`` questions are read; a rate needs no more.
 * new: :func:`kvlab.measure.probes.read_probes`, every question behind each cache in one call.
+* floor: no reading at all, only the arithmetic every path must do: per cache, one plain
+  causal forward pass of as many tokens as the new path feeds (each probe's tokens and its
+  greedy tokens after the first), behind one copy of the past, keeping one row of logits per
+  question. It says how much of the new path's time is left to take out by reading
+  differently, rather than by reading fewer tokens.
 
 Only the probe reads are timed (merges and prefills are the same for both). CPU time is
 ``time.process_time`` (all threads); it is printed per torch thread count, since on a
@@ -34,6 +39,7 @@ from kvlab.findings.longctx import default_strategies, make_set
 from kvlab.measure.case import FidelityReference
 from kvlab.measure.fidelity import fidelity
 from kvlab.measure.references import context_reference
+from kvlab.measure.room import ProbeCache
 
 GREEDY = 5  # the study's --greedy-tokens default
 
@@ -86,6 +92,17 @@ def new_scores(model, frags, reference, merges, probes):
     return ref, fids
 
 
+@torch.inference_mode()
+def floor_scores(model, caches, probes):
+    """One causal forward pass per cache of all the questions' tokens, packed: the arithmetic floor."""
+    ids = torch.cat([torch.cat([tokenize(model, p), torch.zeros(GREEDY - 1, dtype=torch.long)]) for p in probes])
+    for cache in caches:
+        work = ProbeCache(cache, ids.numel())
+        seen = cache.get_seq_length()
+        pos = torch.arange(seen, seen + ids.numel())[None]
+        model.model(input_ids=ids[None], position_ids=pos, cache=work, use_cache=True, logits_to_keep=len(probes))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
@@ -99,7 +116,7 @@ def main() -> None:
         f"{model.name}, {GREEDY} greedy tokens per answer, torch {torch.__version__}, {os.cpu_count()} CPUs; {load()}"
     )
     print(
-        f"{'config':>8} {'tokens':>6} {'threads':>7} {'path':>4} {'questions':>9} {'CPU s':>7} {'wall s':>7}"
+        f"{'config':>8} {'tokens':>6} {'threads':>7} {'path':>5} {'questions':>9} {'CPU s':>7} {'wall s':>7}"
         f" {'q / CPU-s':>9} {'q / wall-s':>10}"
     )
     for k in args.counts:
@@ -112,6 +129,7 @@ def main() -> None:
             torch.set_num_threads(threads)
             old, old_cpu, old_wall = timed(old_scores, model, reference, merges, few)
             (ref, fids), new_cpu, new_wall = timed(new_scores, model, frags, reference, merges, probes)
+            _, floor_cpu, floor_wall = timed(floor_scores, model, [reference] + merges, probes)
             # The questions both paths scored: the same greedy tokens, next-token log-probs to rounding.
             new = [[ref.read(p, GREEDY)] + [(None, f.probes[q]["greedy"]) for f in fids] for q, p in enumerate(few)]
             same = all(
@@ -120,14 +138,19 @@ def main() -> None:
             )
             dlp = max(float((o[0][0] - n[0][0]).abs().max()) for o, n in zip(old, new))
             rates = {}
-            for path, n, cpu, wall in (("old", len(few), old_cpu, old_wall), ("new", len(probes), new_cpu, new_wall)):
+            for path, n, cpu, wall in (
+                ("old", len(few), old_cpu, old_wall),
+                ("new", len(probes), new_cpu, new_wall),
+                ("floor", len(probes), floor_cpu, floor_wall),
+            ):
                 rates[path] = n / cpu
                 print(
-                    f"{k:>3} x {args.tokens:<3} {reference.get_seq_length():>6} {threads:>7} {path:>4} {n:>9}"
+                    f"{k:>3} x {args.tokens:<3} {reference.get_seq_length():>6} {threads:>7} {path:>5} {n:>9}"
                     f" {cpu:>7.1f} {wall:>7.1f} {n / cpu:>9.3f} {n / wall:>10.3f}"
                 )
             print(
-                f"{'':>8} new / old: {rates['new'] / rates['old']:.1f}x questions per CPU-second; greedy answers "
+                f"{'':>8} new / old: {rates['new'] / rates['old']:.1f}x questions per CPU-second, floor / new "
+                f"{rates['floor'] / rates['new']:.2f}x; greedy answers "
                 f"{'the same' if same else 'DIFFER'}, max |d log p| (joined prefill) {dlp:.1e}; {load()}"
             )
 

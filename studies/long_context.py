@@ -37,7 +37,8 @@ def ci_dict(c):
     return None if c is None else {"mean": c.mean, "lo": c.lo, "hi": c.hi, "n": c.n, "caches": c.n_clusters}
 
 
-def write(out: Path, model, args, rows, timings, profile, started):
+def write(out: Path, model, args, rows, timings, profile, started, keep: dict | None = None):
+    """Write the CSV, the JSON summary and the figures; ``keep``: JSON fields carried over unchanged."""
     name = model.name
     with atomic_path(out / f"long_context_{name}.csv") as tmp, open(tmp, "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=list(rows[0]))
@@ -55,14 +56,32 @@ def write(out: Path, model, args, rows, timings, profile, started):
             **{k: v for k, v in r.items() if k not in CI_KEYS},
             **{m: ci_dict(r.get(m)) for m in CI_KEYS},
         }
-        for r in longctx.summarize(rows, ("n_fragments", "strategy", "answer_offset"))
+        for r in longctx.summarize(rows, ("n_fragments", "strategy", "answer_passage"))
     ]
-    diffs = {}
+    by_kind = [
+        {
+            **{k: v for k, v in r.items() if k not in CI_KEYS},
+            **{m: ci_dict(r.get(m)) for m in CI_KEYS},
+        }
+        for r in longctx.summarize(rows, ("n_fragments", "strategy", "kind"))
+    ]
+    # The primary comparison, named before the run: naive against rerotate, paired within
+    # caches, per count, pooled and per question kind.
+    diffs, gap = {}, {}
+    kinds = sorted({r["kind"] for r in rows})
     for k in sorted(t for t in timings if isinstance(t, int)):
         for m in ("kl", "span_kl", "nll", "agree", "em"):
             diffs[f"{k} fragments: naive - rerotate {m}"] = ci_dict(
                 longctx.paired(rows, "naive", "rerotate", m, where={"n_fragments": k})
             )
+            for kind in kinds if m in ("span_kl", "em") else ():
+                diffs[f"{k} fragments, {kind}: naive - rerotate {m}"] = ci_dict(
+                    longctx.paired(rows, "naive", "rerotate", m, where={"n_fragments": k, "kind": kind})
+                )
+        recompute = next(s for s in dict.fromkeys(r["strategy"] for r in rows) if s.startswith("recompute"))
+        gap[f"{k} fragments: {recompute} closes of rerotate's span KL"] = ci_dict(
+            longctx.gap_closed(rows, recompute, "rerotate", "span_kl", where={"n_fragments": k})
+        )
     per_set = [
         {
             **{k: v for k, v in r.items() if k not in CI_KEYS},
@@ -78,6 +97,8 @@ def write(out: Path, model, args, rows, timings, profile, started):
         "wall_s_total": time.perf_counter() - started,
         "summary": summary,
         "paired_differences": diffs,
+        "gap_closed": gap,
+        "by_kind": by_kind,
         "by_offset": by_offset,
         "per_set": per_set,
     }
@@ -91,8 +112,38 @@ def write(out: Path, model, args, rows, timings, profile, started):
             }
             for p in profile
         ]
+    doc.update(keep or {})
     atomic_write_text(out / f"long_context_{name}.json", json.dumps(doc, indent=1, default=float))
     figures(out, name, rows, profile, args)
+
+
+#: CSV columns that hold text even when it reads as a number (an answer "1893").
+TEXT = {"question", "kind", "strategy", "answer", "truth", "ref_answer"}
+
+
+def typed(value: str):
+    """A CSV cell back as the bool, int or float it was written from (else the string)."""
+    if value in ("True", "False"):
+        return value == "True"
+    for cast in (int, float):
+        try:
+            return cast(value)
+        except ValueError:
+            pass
+    return value
+
+
+def resummarize(out: Path, name: str) -> None:
+    """Summarise ``long_context_<name>.csv`` again (new measures, new tables) without re-reading a question.
+
+    The run's command, arguments, wall times and phase profile are carried over from its JSON.
+    """
+    old = json.loads((out / f"long_context_{name}.json").read_text())
+    with open(out / f"long_context_{name}.csv", newline="") as fh:
+        rows = [{k: v if k in TEXT else typed(v) for k, v in r.items()} for r in csv.DictReader(fh)]
+    timings = {int(k) if k.isdigit() else k: v for k, v in old["wall_s_per_count"].items()}
+    keep = {k: old[k] for k in ("command", "args", "wall_s_total", "phase") if k in old}
+    write(out, argparse.Namespace(name=name), argparse.Namespace(**old["args"]), rows, timings, None, 0.0, keep)
 
 
 def figures(out, name, rows, profile, args):
@@ -103,7 +154,7 @@ def figures(out, name, rows, profile, args):
     summ = longctx.summarize(rows)
     strategies = list(dict.fromkeys(r["strategy"] for r in rows))
     fig, axes = plt.subplots(1, 3, figsize=(15, 4), constrained_layout=True)
-    for j, m in enumerate(("kl", "agree", "em")):
+    for j, m in enumerate(("span_kl", "kl", "em")):
         for i, s in enumerate(strategies):
             pts = sorted((r["n_fragments"], r[m]) for r in summ if r["strategy"] == s)
             x = [p[0] + (i - 1.5) * 0.06 for p in pts]
@@ -111,12 +162,10 @@ def figures(out, name, rows, profile, args):
             err = [[p[1].mean - p[1].lo for p in pts], [p[1].hi - p[1].mean for p in pts]]
             axes[j].errorbar(x, y, yerr=err, fmt="o-", capsize=3, label=s)
         axes[j].set(xlabel=f"fragments of {args.tokens} tokens", xticks=sorted({r["n_fragments"] for r in rows}))
-    axes[0].set(ylabel="next-token KL vs joined prefill (nats)", title=f"{name}: KL, 95% bootstrap CI")
-    axes[1].set(
-        ylabel="answer agreement with reprefill (fraction)",
-        title=f"{name}: agreement with reprefill",
-        ylim=(-0.05, 1.05),
+    axes[0].set(
+        ylabel="answer-span KL vs joined prefill (nats/token)", title=f"{name}: answer-span KL, 95% CI over caches"
     )
+    axes[1].set(ylabel="first-token KL vs joined prefill (nats)", title=f"{name}: first-token KL, 95% CI over caches")
     axes[2].set(ylabel="exact match with the truth (fraction)", title=f"{name}: exact match", ylim=(-0.05, 1.05))
     axes[0].legend()
     fig.savefig(out / f"long_context_{name}.png", dpi=90)
@@ -187,6 +236,12 @@ def main():
         default=48,
         help="read enough seeded sets per fragment count for at least this many questions",
     )
+    ap.add_argument(
+        "--sets",
+        type=int,
+        default=None,
+        help="independent seeded sets (merged caches) per fragment count; overrides --questions-per-count",
+    )
     ap.add_argument("--people", type=int, default=2)
     ap.add_argument("--greedy-tokens", type=int, default=5)
     ap.add_argument("--ratio", type=float, default=0.15)
@@ -198,8 +253,16 @@ def main():
         help="only the phase profile of the largest count (no questions), to phase_<model>.json",
     )
     ap.add_argument("--out", default="results")
+    ap.add_argument(
+        "--resummarize",
+        action="store_true",
+        help="summarise the CSV under --out again (tables, intervals, figures) without reading any question",
+    )
     args = ap.parse_args()
     out = Path(args.out)
+    if args.resummarize:
+        resummarize(out, args.model)
+        return
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     model = kvlab.load_model(args.model)
@@ -217,7 +280,7 @@ def main():
         return
     for k in args.counts:
         per_set = min(3 * args.people * k, args.max_questions or 10**9)
-        sets = max(1, -(-args.questions_per_count // per_set))
+        sets = args.sets or max(1, -(-args.questions_per_count // per_set))
         r, t = longctx.run(
             model,
             [k],

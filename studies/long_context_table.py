@@ -1,6 +1,9 @@
 """Markdown tables of the long-context study's JSON files (results/long_context_*.json).
 
 .venv/bin/python studies/long_context_table.py results/long_context_*.json
+
+Every interval is the 95% cluster-bootstrap interval over caches (generated sets) that the
+study wrote; each row states its n questions and n caches.
 """
 
 from __future__ import annotations
@@ -10,58 +13,73 @@ import sys
 
 
 def fmt(c, spec):
-    return f"{c['mean']:{spec}} [{c['lo']:{spec}}, {c['hi']:{spec}}]"
+    return "-" if c is None else f"{c['mean']:{spec}} [{c['lo']:{spec}}, {c['hi']:{spec}}]"
+
+
+def nc(r):
+    return f"{r['n']} / {r['n_caches']}"
 
 
 def table(path: str) -> str:
     d = json.load(open(path))
     a = d["args"]
-    ns = sorted({r["n"] for r in d["summary"]})
+    caches = sorted({r["n_caches"] for r in d["summary"]})
     out = [
-        f"### {d['model']}: fragments of ≤{a['tokens']} tokens, n = {'/'.join(map(str, ns))} questions per count, "
-        f"greedy {a['greedy_tokens']} tokens, recompute r={a['ratio']}",
+        f"### {d['model']}: fragments of ≤{a['tokens']} tokens, {'/'.join(map(str, caches))} caches per count, "
+        f"{a.get('people', 2)} person per passage, greedy {a['greedy_tokens']} tokens, recompute r={a['ratio']}",
         "",
         f"Command: `{d['command']}`; wall time {d['wall_s_total'] / 60:.1f} min "
         f"({', '.join(f'{k}: {v:.0f} s' for k, v in d['wall_s_per_count'].items())}).",
         "",
-        "| fragments | strategy | n | mean KL, nats [95% CI] | exact match [CI] | agreement with reprefill [CI] |",
-        "|---|---|---|---|---|---|",
+        "| fragments | strategy | questions / caches | answer-span KL, nats/token | first-token KL, nats | "
+        "exact match | agreement where reprefill is right (n) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in sorted(d["summary"], key=lambda r: r["n_fragments"]):
         out.append(
-            f"| {r['n_fragments']} | {r['strategy']} | {r['n']} | {fmt(r['kl'], '.3f')} | "
-            f"{fmt(r['em'], '.2f')} | {fmt(r['agree'], '.2f')} |"
+            f"| {r['n_fragments']} | {r['strategy']} | {nc(r)} | {fmt(r['span_kl'], '.3f')} | {fmt(r['kl'], '.3f')} | "
+            f"{fmt(r['em'], '.2f')} | {fmt(r['agree_right'], '.2f')} ({r['n_ref_right']}) |"
         )
-    out += ["", "Paired differences (same questions, resampled jointly):", ""]
+    shares = {r["n_fragments"]: r["ref_top_share"] for r in d["summary"] if r["strategy"] == "reprefill"}
+    out += [
+        "",
+        "Reprefill's exact match is the full-context ceiling. Share of reprefill's answers that are its one most "
+        "common answer: " + ", ".join(f"{k} fragments {v:.2f}" for k, v in sorted(shares.items())) + ".",
+        "",
+        "By question kind (naive and rerotate):",
+        "",
+        "| fragments | kind | strategy | questions / caches | answer-span KL | first-token KL | exact match | ceiling |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    ceil = {(r["n_fragments"], r["kind"]): r["em"] for r in d["by_kind"] if r["strategy"] == "reprefill"}
+    for r in sorted(d["by_kind"], key=lambda r: (r["n_fragments"], r["kind"], r["strategy"])):
+        if r["strategy"] in ("naive", "rerotate"):
+            out.append(
+                f"| {r['n_fragments']} | {r['kind']} | {r['strategy']} | {nc(r)} | {fmt(r['span_kl'], '.3f')} | "
+                f"{fmt(r['kl'], '.4f')} | {fmt(r['em'], '.2f')} | {fmt(ceil[r['n_fragments'], r['kind']], '.2f')} |"
+            )
+    out += ["", "Paired differences, named before the run (same questions, resampled by cache):", ""]
     for k, c in d["paired_differences"].items():
-        out.append(f"- {k}: {c['mean']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}] (n={c['n']})")
-    if d.get("per_set"):
-        out += ["", "Range over the seeded sets of each count (mean of each set):", ""]
-        for k in sorted({r["n_fragments"] for r in d["per_set"]}):
-            for strat in ("naive", "rerotate"):
-                sel = [r for r in d["per_set"] if r["n_fragments"] == k and r["strategy"] == strat]
-                if len(sel) > 1:
-                    kl = [r["kl"] for r in sel]
-                    ag = [r["agree"] for r in sel]
-                    out.append(
-                        f"- {k} fragments, {strat}, {len(sel)} sets: KL {min(kl):.3f}-{max(kl):.3f}, "
-                        f"agreement {min(ag):.2f}-{max(ag):.2f}"
-                    )
+        out.append(f"- {k}: {c['mean']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}] (n={c['n']}, {c['caches']} caches)")
+    out += ["", "Share of rerotate's answer-span KL that recompute closes (1 - ratio of means, paired):", ""]
+    for k, c in d.get("gap_closed", {}).items():
+        out.append(f"- {k}: {c['mean']:.0%} [{c['lo']:.0%}, {c['hi']:.0%}] (n={c['n']}, {c['caches']} caches)")
     if d.get("by_offset"):
         k = max(r["n_fragments"] for r in d["by_offset"])
         out += [
             "",
-            f"By the landing offset of the passage holding the answer ({k} fragments):",
+            f"By the passage holding the answer ({k} fragments; passage i lands after about i × {a['tokens']} tokens):",
             "",
-            "| answer offset (tokens) | strategy | n | mean KL [CI] | agreement with reprefill [CI] |",
+            "| passage | strategy | questions / caches | answer-span KL [CI] | exact match [CI] |",
             "|---|---|---|---|---|",
         ]
         for r in sorted(
-            (r for r in d["by_offset"] if r["n_fragments"] == k), key=lambda r: (r["answer_offset"], r["strategy"])
+            (r for r in d["by_offset"] if r["n_fragments"] == k), key=lambda r: (r["answer_passage"], r["strategy"])
         ):
             if r["strategy"] in ("naive", "rerotate"):
                 out.append(
-                    f"| {r['answer_offset']} | {r['strategy']} | {r['n']} | {fmt(r['kl'], '.3f')} | {fmt(r['agree'], '.2f')} |"
+                    f"| {r['answer_passage']} | {r['strategy']} | {nc(r)} | {fmt(r['span_kl'], '.3f')} | "
+                    f"{fmt(r['em'], '.2f')} |"
                 )
     if "phase" in d:
         out += ["", "Phase error of the largest merge (mean over kept positions, heads, pairs):", ""]

@@ -11,6 +11,9 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from kvlab.cache.fragments import Fragment, clone_cache
+from kvlab.cache.recompute.decoder import Decoder
+from kvlab.cache.recompute.inputs import attention_mask
+from kvlab.cache.recompute.strategy import Recompute
 
 
 def assigned_merge(fragments: list[Fragment]) -> DynamicCache:
@@ -85,3 +88,32 @@ def chat_turn(model, cache: DynamicCache, query: str, new_tokens: int = 12) -> s
             break
         ids = torch.tensor([[nxt]], device=device)
     return model.tokenizer.decode(out)
+
+
+def bottom_right_mask(
+    decoder: Decoder, slots: torch.Tensor, avail: torch.Tensor | None, window: int | None, lo: int, hi: int
+) -> torch.Tensor:
+    """DEFECT: the recomputed tokens' causal mask aligned to the bottom right, as a plain causal
+    attention call over ``k`` queries and ``hi - lo`` keys aligns it.
+
+    The ``i``-th recomputed token (of ``k``, ascending) is masked as if it stood at slot
+    ``hi - k + i`` whatever its own position, so a token early in the merge attends to slots
+    after it: the future leaks into its recomputed K/V. The window and the missing slots are
+    applied around that wrong position. Where the tokens are a contiguous suffix (ratio 1, or
+    every token after fragment 0) the two alignments agree, which is why checks at those
+    ratios never see it. Same shape and dtype convention as
+    :func:`kvlab.cache.recompute.inputs.attention_mask`.
+    """
+    k = slots.numel()
+    aligned = hi - k + torch.arange(k, device=slots.device)
+    return attention_mask(decoder, aligned, avail, window, lo, hi)
+
+
+class BottomRightRecompute(Recompute):
+    """DEFECT: :class:`kvlab.Recompute` with :func:`bottom_right_mask` in place of the causal-by-position mask.
+
+    The same selection and the same layers; only who each recomputed token attends to differs.
+    Not registered as a strategy: build it here to measure the defect beside the fix.
+    """
+
+    mask = staticmethod(bottom_right_mask)

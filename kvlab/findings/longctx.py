@@ -20,7 +20,7 @@ from kvlab.findings.evalset import EvalSet, generate, normalize
 from kvlab.findings.qa import ask, passage_fragments
 from kvlab.measure.metrics import phase_error
 from kvlab.measure.references import phase_reference
-from kvlab.measure.stats import CI, mean_ci, paired_diff_ci, proportion_ci
+from kvlab.measure.stats import CI, gap_closed_ci, mean_ci, paired_diff_ci, proportion_ci
 from kvlab.models.loaded import LoadedModel
 
 
@@ -207,8 +207,8 @@ def summarize(rows: list[dict], by: tuple[str, ...] = ("n_fragments", "strategy"
     return out
 
 
-def paired(rows: list[dict], a: str, b: str, metric: str, *, where: dict | None = None, seed: int = 0) -> CI:
-    """CI of ``metric(a) - metric(b)`` over the questions both strategies answered, paired, resampled by cache."""
+def _pairs(rows: list[dict], a: str, b: str, metric: str, where: dict | None) -> tuple[list, list, list]:
+    """``metric`` of ``a`` and of ``b`` over the questions both answered, and each pair's cache."""
     where = where or {}
 
     def pick(s: str) -> dict:
@@ -220,4 +220,79 @@ def paired(rows: list[dict], a: str, b: str, metric: str, *, where: dict | None 
 
     x, y = pick(a), pick(b)
     keys = sorted(set(x) & set(y))
-    return paired_diff_ci([x[k] for k in keys], [y[k] for k in keys], clusters=[k[:2] for k in keys], seed=seed)
+    return [x[k] for k in keys], [y[k] for k in keys], [k[:2] for k in keys]
+
+
+def paired(rows: list[dict], a: str, b: str, metric: str, *, where: dict | None = None, seed: int = 0) -> CI:
+    """CI of ``metric(a) - metric(b)`` over the questions both strategies answered, paired, resampled by cache."""
+    x, y, caches = _pairs(rows, a, b, metric, where)
+    return paired_diff_ci(x, y, clusters=caches, seed=seed)
+
+
+def gap_closed(
+    rows: list[dict], a: str, b: str, metric: str = "span_kl", *, where: dict | None = None, seed: int = 0
+) -> CI:
+    """The share of ``b``'s error (``metric``, 0 at the joined prefill) that ``a`` removes, paired, resampled by cache."""
+    x, y, caches = _pairs(rows, a, b, metric, where)
+    return gap_closed_ci(x, y, clusters=caches, seed=seed)
+
+
+def _c(c, f: str = ".4f") -> str:
+    return "-" if c is None else f"{c.mean:{f}} [{c.lo:{f}}, {c.hi:{f}}]"
+
+
+def table(summary: list[dict], strategies: list[str]) -> str:
+    """Per (fragment count, strategy): n, caches, both KLs, exact match, agreement where the reference is right.
+
+    ``summary``: :func:`summarize` rows by (``n_fragments``, ``strategy``), with ``span_kl``.
+    """
+    lines = [
+        f"{'k':>2} {'strategy':<20} {'n':>4} {'caches':>6}  {'first-token KL, nats':<24} "
+        f"{'answer-span KL, nats/token':<26} {'exact match':<18} agreement where reprefill is right"
+    ]
+    for r in sorted(summary, key=lambda r: (r["n_fragments"], strategies.index(r["strategy"]))):
+        right = f"{_c(r['agree_right'], '.2f')} (n={r['n_ref_right']})"
+        lines.append(
+            f"{r['n_fragments']:>2} {r['strategy']:<20} {r['n']:>4} {r['n_caches']:>6}  {_c(r['kl']):<24} "
+            f"{_c(r.get('span_kl')):<26} {_c(r['em'], '.2f'):<18} {right}"
+        )
+    lines.append(
+        "95% intervals over caches (a cluster bootstrap: caches, then questions within them); exact match "
+        "against the truth; reprefill's exact match is the full-context ceiling"
+    )
+    return "\n".join(lines)
+
+
+def at_scale(doc: dict, path: str) -> list[str]:
+    """Lines stating a committed long-context study (``studies/long_context.py``'s JSON) for a conclusions cell.
+
+    Per fragment count: naive against rerotate in answer-span KL and exact match, each with its
+    interval, n questions and n caches; the paired difference; the ceiling; and the share of
+    rerotate's answer-span KL that recompute closes.
+    """
+    if "gap_closed" not in doc or any("span_kl" not in r for r in doc["summary"]):
+        return [
+            f"{doc.get('model', path)}: {path} predates the answer-span measures; run studies/long_context.py again"
+        ]
+    by = {(r["n_fragments"], r["strategy"]): r for r in doc["summary"]}
+    counts = sorted({k for k, _ in by})
+    lines = []
+    for k in counts:
+        n, r, p = by[k, "naive"], by[k, "rerotate"], by[k, "reprefill"]
+        d = doc["paired_differences"][f"{k} fragments: naive - rerotate span_kl"]
+        de = doc["paired_differences"][f"{k} fragments: naive - rerotate em"]
+        gap = next((v for key, v in doc.get("gap_closed", {}).items() if key.startswith(f"{k} fragments:")), None)
+        lines.append(
+            f"{doc['model']}, {k} fragments of <={doc['args']['tokens']} tokens, {n['n']} questions over "
+            f"{n['n_caches']} caches ({path}): answer-span KL naive {_d(n['span_kl'])} against rerotate "
+            f"{_d(r['span_kl'])} nats/token (paired difference {_d(d, '+.4f')}, "
+            f"{'resolved' if d['lo'] > 0 or d['hi'] < 0 else 'not resolved'}); exact match naive "
+            f"{_d(n['em'], '.2f')}, rerotate {_d(r['em'], '.2f')} (paired difference {_d(de, '+.2f')}), "
+            f"ceiling {_d(p['em'], '.2f')}"
+            + ("" if gap is None else f"; recompute closes {_d(gap, '.0%')} of rerotate's answer-span KL")
+        )
+    return lines
+
+
+def _d(c: dict, f: str = ".4f") -> str:
+    return f"{c['mean']:{f}} [{c['lo']:{f}}, {c['hi']:{f}}]"

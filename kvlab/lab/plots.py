@@ -104,6 +104,55 @@ def phase_by_band_bars(phases_by_strategy: dict[str, list[LayerPhase]], model_na
     return fig
 
 
+def _heat_grid(diffs: list[LayerDiff], which: str, layer: int | None) -> tuple[np.ndarray, str]:
+    """``[rows, positions]`` max |Δ| over head_dim: layer x position (max over heads), or head x position of ``layer``."""
+    if layer is None:
+        return layer_position_grid(diffs, which).numpy(), "layer"
+    d = diffs[layer]
+    grid = np.full((d.k.shape[0], int(d.positions[-1]) + 1), np.nan)
+    grid[:, d.positions.numpy()] = getattr(d, which).numpy()
+    return grid, f"KV head (layer {layer})"
+
+
+def kv_heatmaps(
+    rows: dict[str, list[LayerDiff]],
+    model_name: str,
+    reference: str,
+    landings: list[int],
+    layer: int | None = None,
+    vmin: float = 1e-7,
+    vmax: float | None = None,
+) -> Figure:
+    """|K - ref| and |V - ref| heatmaps of several merges on one shared log colour scale.
+
+    One row per merge (``rows``: label -> its :func:`kvlab.measure.metrics.kv_diff`), K left and
+    V right, all panels on the same colour scale so that they can be compared cell by cell.
+    Values below ``vmin``, exact zeros among them, are drawn at ``vmin``: the floor the colour
+    bar labels. Blank cells: tokens a sliding layer no longer holds.
+    """
+    grids = {(label, which): _heat_grid(d, which, layer) for label, d in rows.items() for which in ("k", "v")}
+    top = vmax or max([float(np.nanmax(np.maximum(g, vmin))) for g, _ in grids.values()] + [vmin * 10])
+    norm = LogNorm(vmin=vmin, vmax=top)
+    fig, axes = plt.subplots(
+        len(rows), 2, figsize=(13, 3.4 * len(rows)), constrained_layout=True, squeeze=False, sharex=True
+    )
+    for r, label in enumerate(rows):
+        for ax, which in zip(axes[r], ("k", "v")):
+            grid, ylabel = grids[label, which]
+            shown = np.where(np.isnan(grid), np.nan, np.maximum(grid, vmin))
+            im = ax.imshow(shown, aspect="auto", interpolation="nearest", cmap="magma", norm=norm)
+            _boundaries(ax, landings)
+            ax.set_ylabel(ylabel)
+            ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.set_title(f"{label}: |{which.upper()} - {reference}|")
+    for ax in axes[-1]:
+        ax.set_xlabel("position in merged cache (tokens)")
+    bar = fig.colorbar(im, ax=axes, label=f"max |ΔK|, |ΔV| over head_dim (activation units); floor {vmin:g} includes 0")
+    bar.ax.axhline(vmin, color="c", lw=2)
+    fig.suptitle(f"{model_name}: {', '.join(rows)} vs {reference} (one colour scale)")
+    return fig
+
+
 def kv_heatmap(
     diffs: list[LayerDiff],
     model_name: str,
@@ -114,42 +163,23 @@ def kv_heatmap(
     vmin: float = 1e-7,
     vmax: float | None = None,
 ) -> Figure:
-    """|K - ref| and |V - ref| heatmaps (log colour scale), max over head_dim.
+    """|K - ref| and |V - ref| heatmaps of one merge (:func:`kv_heatmaps` with one row), max over head_dim.
 
     With ``layer=None`` the grid is layer x position (max over heads); with a layer index
-    it is head x position for that layer. Blank cells: tokens a sliding layer no longer holds.
+    it is head x position for that layer.
     """
-    fig, axes = plt.subplots(1, 2, figsize=(13, 3.8), constrained_layout=True)
-    for ax, which in zip(axes, ("k", "v")):
-        if layer is None:
-            grid = layer_position_grid(diffs, which).numpy()
-            ylabel = "layer"
-        else:
-            d = diffs[layer]
-            n = int(d.positions[-1]) + 1
-            grid = np.full((d.k.shape[0], n), np.nan)
-            grid[:, d.positions.numpy()] = getattr(d, which).numpy()
-            ylabel = f"KV head (layer {layer})"
-        shown = np.where(np.isnan(grid), np.nan, np.maximum(grid, vmin))
-        top = vmax or max(float(np.nanmax(shown)), vmin * 10)
-        im = ax.imshow(shown, aspect="auto", interpolation="nearest", cmap="magma", norm=LogNorm(vmin=vmin, vmax=top))
-        _boundaries(ax, landings)
-        ax.set_xlabel("position in merged cache (tokens)")
-        ax.set_ylabel(ylabel)
-        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_title(f"|{which.upper()} - {reference}|")
-        fig.colorbar(im, ax=ax, label=f"max |Δ{which.upper()}| over head_dim (activation units)")
-    fig.suptitle(f"{model_name}: {strategy} vs {reference}")
-    return fig
+    return kv_heatmaps({strategy: diffs}, model_name, reference, landings, layer=layer, vmin=vmin, vmax=vmax)
 
 
 def error_budget(budget: dict[str, dict[str, np.ndarray]], model_name: str) -> Figure:
-    """Per-layer K error norms: total (vs joined prefill) against phase + context.
+    """Per-layer relative K errors: total (vs joined prefill) against phase and context.
 
     Parameters
     ----------
     budget : dict
-        strategy -> {"total": [layers], "phase": [layers], "context": [layers]} Frobenius norms.
+        strategy -> {"total": [layers], "phase": [layers], "context": [layers]}: Frobenius norms
+        of the key differences, each divided by that layer's norm of the joined prefill's keys.
+        Values below 1e-9 (exact zeros) are drawn on the floor.
     """
     fig, axes = plt.subplots(
         1, len(budget), figsize=(5 * len(budget), 3.6), sharey=True, constrained_layout=True, squeeze=False
@@ -162,7 +192,7 @@ def error_budget(budget: dict[str, dict[str, np.ndarray]], model_name: str) -> F
         ax.set_yscale("log")
         ax.set_xlabel("layer")
         ax.set_title(name)
-    axes[0][0].set_ylabel("Frobenius norm of ΔK (activation units)")
+    axes[0][0].set_ylabel("‖ΔK‖ / ‖K_joined‖ per layer (floor 1e-9: 0)")
     axes[0][-1].legend(loc="lower right", fontsize=8)
     fig.suptitle(f"{model_name}: error budget per layer, fragments after the first")
     return fig
@@ -342,45 +372,47 @@ def _errorbar(ax, x, cis: list, **kw) -> None:
 def long_context_answers(
     summary: list[dict], by_offset: list[dict], strategies: list[str], model_name: str, fragment_tokens: int
 ) -> Figure:
-    """KL and answer agreement against fragment count, and agreement by landing offset (95% CI).
+    """Answer-span KL and exact match against fragment count, and exact match by landing offset (95% CI over caches).
 
     Parameters
     ----------
     summary : list of dict
         :func:`kvlab.findings.longctx.summarize` rows by (``n_fragments``, ``strategy``), each
-        with ``kl`` and ``agree`` CIs.
+        with ``span_kl`` and ``em`` CIs.
     by_offset : list of dict
-        The same at the largest fragment count, by (``answer_offset``, ``strategy``).
+        The same at the largest fragment count, by (``answer_passage``, ``strategy``): the passage
+        holding the answer, which lands at the same place in every set.
     strategies : list of str
         In drawing order; points of a strategy are nudged sideways so the intervals do not overlap.
     """
     counts = sorted({r["n_fragments"] for r in summary})
-    offsets = sorted({r["answer_offset"] for r in by_offset})
+    offsets = sorted({r["answer_passage"] for r in by_offset})
     fig, axes = plt.subplots(1, 3, figsize=(15, 3.8), constrained_layout=True)
     for i, s in enumerate(strategies):
         pts = sorted(((r["n_fragments"], r) for r in summary if r["strategy"] == s), key=lambda p: p[0])
         x = np.array([p[0] for p in pts]) + (i - 1.5) * 0.05
-        for ax, m in zip(axes[:2], ("kl", "agree")):
+        for ax, m in zip(axes[:2], ("span_kl", "em")):
             _errorbar(ax, x, [p[1][m] for p in pts], fmt="o-", label=s)
-        po = sorted(((r["answer_offset"], r) for r in by_offset if r["strategy"] == s), key=lambda p: p[0])
-        xo = np.array([p[0] for p in po]) + (i - 1.5) * 0.01 * max(offsets + [1])
-        _errorbar(axes[2], xo, [p[1]["agree"] for p in po], fmt="o", label=s)
+        po = sorted(((r["answer_passage"], r) for r in by_offset if r["strategy"] == s), key=lambda p: p[0])
+        xo = np.array([p[0] for p in po]) + (i - 1.5) * 0.05
+        _errorbar(axes[2], xo, [p[1]["em"] for p in po], fmt="o", label=s)
     axes[0].set(
         xlabel=f"fragments of ≤{fragment_tokens} tokens",
-        ylabel="next-token KL vs joined prefill (nats)",
-        title=f"{model_name}: KL vs fragment count (95% CI)",
+        ylabel="answer-span KL vs joined prefill (nats/token)",
+        title=f"{model_name}: answer-span KL (95% CI over caches)",
         xticks=counts,
     )
     axes[1].set(
         xlabel=f"fragments of ≤{fragment_tokens} tokens",
-        ylabel="agreement with reprefill (fraction)",
-        title=f"{model_name}: answers unchanged (95% CI)",
+        ylabel="exact match with the truth (fraction)",
+        title=f"{model_name}: exact match (reprefill: the ceiling)",
         xticks=counts,
         ylim=(-0.05, 1.05),
     )
     axes[2].set(
-        xlabel="landing offset of the answer's passage (tokens)",
-        ylabel="agreement with reprefill (fraction)",
+        xlabel=f"passage holding the answer (index; lands after about index × {fragment_tokens} tokens)",
+        xticks=offsets,
+        ylabel="exact match with the truth (fraction)",
         title=f"{model_name}: by offset, {max(counts)} fragments",
         ylim=(-0.05, 1.05),
     )

@@ -205,6 +205,44 @@ def proportion_ci(successes, *, clusters=None, n_boot: int = N_BOOT, seed: int =
     return CI(ci.mean, min(ci.lo, float(wilson.low)), max(ci.hi, float(wilson.high)), ci.n, level, ci.n_clusters)
 
 
+def gap_closed_ci(treated, baseline, *, clusters=None, n_boot: int = N_BOOT, seed: int = 0, level: float = 0.95) -> CI:
+    """The share of ``baseline``'s error that ``treated`` removes: ``1 - mean(treated) / mean(baseline)``.
+
+    For errors measured against an exact reference (0 is no error), e.g. recompute's
+    answer-span KL against rerotate's over the same questions: 1 closes the whole gap, 0
+    none, a negative value widens it. Pairs are resampled together (by cache when
+    ``clusters`` is given); the interval is the percentile interval of the resampled ratio.
+
+    Parameters
+    ----------
+    treated, baseline : array-like
+        ``[n]`` each (errors, 0 at the reference), paired item by item; ``baseline``'s mean must be positive.
+    clusters : sequence, optional
+        ``[n]`` cache labels, as for :func:`mean_ci`.
+    """
+    _check(n_boot, level)
+    x, y = _values(treated, "treated"), _values(baseline, "baseline")
+    if x.shape != y.shape:
+        raise StatsError(f"paired values need equal lengths, got {x.size} and {y.size}")
+    if y.mean() <= 0:
+        raise StatsError(f"a gap closed needs a baseline error with a positive mean, got {y.mean():g}")
+    groups = _groups(clusters, x.size)
+    # The same seed draws the same items for both arrays (the draws do not depend on the values),
+    # so each resample's two means are over one resample of the pairs.
+    mx, my = _resample_means(x, groups, n_boot, seed), _resample_means(y, groups, n_boot, seed)
+    ratios = 1 - mx / np.where(my > 0, my, np.nan)
+    tail = (1 - level) / 2 * 100
+    lo, hi = np.nanpercentile(ratios, [tail, 100 - tail])
+    return CI(
+        float(1 - x.mean() / y.mean()),
+        float(lo),
+        float(hi),
+        int(x.size),
+        level,
+        None if groups is None else len(groups),
+    )
+
+
 def paired_p(a, b, *, clusters=None, n_boot: int = N_BOOT, seed: int = 0) -> float:
     """Two-sided bootstrap p-value of ``mean(a - b) = 0`` (paired, by cache when ``clusters`` is given).
 

@@ -12,6 +12,8 @@ import dataclasses
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kvlab
 from conftest import assert_unchanged, snapshot, tiny
@@ -297,3 +299,66 @@ def test_gemma3_limits_across_the_sliding_window(gemma3):
     assert [l.keys.shape[-2] for l in merged.layers][:6] == [511] * 5 + [520]
     assert_close(merged, kvlab.prefill_ids(m, torch.cat(ids)[None]), TOL_REAL)
     assert_same(kvlab.merge(fs, "recompute", m, ratio=0.0), kvlab.merge(fs, "rerotate", m))
+
+
+# --- the recompute-mask defect (a bottom-right-aligned causal mask), beside kvlab's mask -----------
+
+
+def _mask_args(slots, lo, hi):
+    from types import SimpleNamespace
+
+    decoder = SimpleNamespace(device=torch.device("cpu"), eager=False, dtype=torch.float32)
+    return decoder, torch.as_tensor(slots, dtype=torch.long), None, None, lo, hi
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_kvlabs_recompute_mask_never_shows_a_token_a_later_slot(data):
+    from kvlab.cache.recompute.inputs import attention_mask
+
+    n = data.draw(st.integers(1, 64))
+    slots = sorted(data.draw(st.sets(st.integers(0, n - 1), min_size=1)))
+    window = data.draw(st.none() | st.integers(1, n + 2))
+    avail = torch.tensor(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)))
+    lo = 0 if window is None else max(0, slots[0] - window + 1)
+    decoder, s, _, _, lo, hi = _mask_args(slots, lo, slots[-1] + 1)
+    allowed = attention_mask(decoder, s, avail, window, lo, hi)[0, 0]
+    seen = torch.arange(lo, hi)[None, :]
+    assert not (allowed & (seen > s[:, None])).any(), "a recomputed token sees a slot after its own position"
+    # ...and it sees every earlier slot that holds a K/V and lies in its window.
+    want = (seen <= s[:, None]) & avail[lo:hi][None, :]
+    if window is not None:
+        want &= seen > s[:, None] - window
+    assert torch.equal(allowed, want)
+
+
+def test_the_bottom_right_mask_shows_early_tokens_later_slots_unless_the_tokens_are_a_suffix():
+    from kvlab.cache.repro import bottom_right_mask
+
+    # Recomputing slots 2 and 5 of 8: aligned bottom-right, slot 2 sees up to slot 4.
+    allowed = bottom_right_mask(*_mask_args([2, 5], 0, 6))[0, 0]
+    assert allowed[0].nonzero().flatten().tolist() == [0, 1, 2, 3, 4]
+    assert allowed[1].nonzero().flatten().tolist() == [0, 1, 2, 3, 4, 5]
+    # A contiguous suffix (what ratio 1, or every token after fragment 0, recomputes) is exactly causal.
+    suffix = bottom_right_mask(*_mask_args([3, 4, 5], 0, 6))[0, 0]
+    assert torch.equal(suffix, torch.arange(6)[None, :] <= torch.tensor([3, 4, 5])[:, None])
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
+def test_the_mask_defect_changes_a_recompute_only_where_the_tokens_are_not_a_suffix(name):
+    from kvlab.cache.repro import BottomRightRecompute
+
+    m = tiny(name)
+    fs = frags(m)
+    lands = kvlab.landing_positions(fs)
+    n = sum(f.length for f in fs)
+    # Starts of fragments 1 and 2: not a suffix, so the defect lets them see later tokens.
+    good = Recompute(ratio=0.15, policy="fragment_start")(fs, lands, m)
+    bad = BottomRightRecompute(ratio=0.15, policy="fragment_start")(fs, lands, m)
+    assert max_diff(kv_diff(bad, good), "k") > 1e-3
+    # Every token after fragment 0: a suffix, where the two masks agree, as do the caches.
+    ratio = (n - fs[0].length) / n
+    assert_same(
+        BottomRightRecompute(ratio=ratio, policy="fragment_start")(fs, lands, m),
+        Recompute(ratio=ratio, policy="fragment_start")(fs, lands, m),
+    )

@@ -159,7 +159,13 @@ OTHER_PARAMS = {
         "timing_repeats": 2,
     },
     "06_llama_cpp": {"texts": TEXTS[:2], "probes": [" and then", " so the"], "n_conversion_probes": 3},
-    "07_long_context": {"fragment_counts": [2], "fragment_tokens": 40, "max_questions": 2, "greedy_tokens": 2},
+    "07_long_context": {
+        "fragment_counts": [2],
+        "fragment_tokens": 40,
+        "sets": 2,
+        "max_questions": 2,
+        "greedy_tokens": 2,
+    },
 }
 # Notebooks that run a model's GGUF file in llama.cpp. A tiny model has no GGUF file (it is
 # built from a config in memory, and writing one just for this test would test the writer,
@@ -216,7 +222,13 @@ GEMMA_PARAMS = {
         "probes": [" The ledger is now kept in the city of", " Maren was the keeper's"],
     },
     # Two passages of 300 tokens: past the 512-token window, so the sliding layers drop tokens.
-    "07_long_context": {"fragment_counts": [2], "fragment_tokens": 300, "max_questions": 2, "greedy_tokens": 3},
+    "07_long_context": {
+        "fragment_counts": [2],
+        "fragment_tokens": 300,
+        "sets": 2,
+        "max_questions": 2,
+        "greedy_tokens": 3,
+    },
 }
 
 
@@ -504,3 +516,51 @@ def test_set_kernelspec_changes_only_the_kernelspec(tmp_path):
     assert after["metadata"]["kernelspec"] == {"name": "kvlab", "display_name": "Python (kvlab)", "language": "python"}
     after["metadata"]["kernelspec"] = before["metadata"]["kernelspec"]
     assert after == before
+
+
+# A number in prose: a decimal, a percentage, or an integer of three digits or more. Small
+# integers ("two passages", "layer 2") are names and counts of the design, not findings.
+PROSE_NUMBER = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?%|\d+\.\d+|\d{3,})(?![\w])")
+# Numbers in markdown that are facts about the software, not measurements of this run.
+NOT_MEASURED = {"00_memos_defects": {"4.57": "the transformers version where the defect appeared"}}
+
+
+def printed_text(nb: dict) -> str:
+    """Everything the stored run printed or displayed as text."""
+    out = []
+    for cell in nb["cells"]:
+        for o in cell.get("outputs", []):
+            out.append("".join(o.get("text", "")))
+            for mime in ("text/plain", "text/markdown", "text/html"):
+                out.append("".join(o.get("data", {}).get(mime, "")))
+    return "\n".join(out)
+
+
+def test_every_number_in_a_notebooks_markdown_is_printed_by_its_run():
+    # Findings are outputs of code (nbval guards them); a number typed into prose is not.
+    missing = []
+    for name, path in notebooks().items():
+        nb = json.loads(path.read_text())
+        printed = printed_text(nb)
+        for i, cell in enumerate(nb["cells"]):
+            if cell["cell_type"] != "markdown":
+                continue
+            for number in PROSE_NUMBER.findall("".join(cell["source"])):
+                if number in NOT_MEASURED.get(name, {}):
+                    continue
+                if not re.search(rf"(?<![\w.]){re.escape(number)}(?![\w])", printed):
+                    missing.append(f"{name} markdown cell {i}: {number}")
+    assert missing == [], "numbers in markdown that the notebook's run does not print: " + "; ".join(missing)
+
+
+def test_the_markdown_number_check_finds_a_typed_number():
+    nb = {
+        "cells": [
+            {"cell_type": "markdown", "source": ["naive costs 0.42 nats, 95% of it at 512 tokens"]},
+            {"cell_type": "code", "source": [], "outputs": [{"output_type": "stream", "text": "KL 0.42 at 95%\n"}]},
+        ]
+    }
+    printed = printed_text(nb)
+    found = PROSE_NUMBER.findall("".join(nb["cells"][0]["source"]))
+    assert found == ["0.42", "95%", "512"]
+    assert [n for n in found if not re.search(rf"(?<![\w.]){re.escape(n)}(?![\w])", printed)] == ["512"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import kvlab
 from kvlab.errors import StatsError
 from kvlab.measure.stats import holm, mean_ci, paired_diff_ci, paired_p, proportion_ci
 
@@ -74,3 +75,21 @@ def test_holm_adjusts_a_family():
     assert holm([0.5]) == [0.5] and holm([0.2, 0.9]) == pytest.approx([0.4, 0.9])
     with pytest.raises(StatsError):
         holm([1.5])
+
+
+def test_gap_closed_is_one_minus_the_ratio_of_means_resampled_in_pairs():
+    rng = np.random.default_rng(0)
+    caches = np.repeat(np.arange(20), 6)
+    baseline = rng.gamma(2.0, 1.0, caches.size)
+    half = kvlab.gap_closed_ci(baseline / 2, baseline, clusters=caches)
+    # Treated is exactly half the baseline, pair by pair: every resample's ratio is 0.5.
+    assert half.mean == pytest.approx(0.5) and half.lo == pytest.approx(0.5) and half.hi == pytest.approx(0.5)
+    assert half.n == 120 and half.n_clusters == 20
+    noisy = kvlab.gap_closed_ci(baseline * rng.uniform(0.2, 0.8, caches.size), baseline, clusters=caches)
+    assert noisy.lo < noisy.mean < noisy.hi and 0.2 < noisy.lo and noisy.hi < 0.8
+    worse = kvlab.gap_closed_ci(baseline * 1.5, baseline)
+    assert worse.mean == pytest.approx(-0.5)
+    with pytest.raises(kvlab.StatsError, match="positive mean"):
+        kvlab.gap_closed_ci([0.0, 0.0], [0.0, 0.0])
+    with pytest.raises(kvlab.StatsError, match="equal lengths"):
+        kvlab.gap_closed_ci([1.0], [1.0, 2.0])

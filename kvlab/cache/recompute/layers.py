@@ -36,7 +36,9 @@ class _StoppingSlotWriter(_SlotWriter):
 
 
 @torch.inference_mode()
-def run_layers(decoder: Decoder, slots: torch.Tensor, n_layers: int, layer_kv, stop_after_kv: bool = False) -> None:
+def run_layers(
+    decoder: Decoder, slots: torch.Tensor, n_layers: int, layer_kv, stop_after_kv: bool = False, mask=attention_mask
+) -> None:
     """Run decoder layers ``0 .. n_layers-1`` on the tokens at ``slots`` only.
 
     Each layer attends through a stand-in cache that writes the tokens' fresh K/V into
@@ -54,6 +56,9 @@ def run_layers(decoder: Decoder, slots: torch.Tensor, n_layers: int, layer_kv, s
     stop_after_kv : bool
         Leave the last layer as soon as its K/V are written (its attention and MLP
         would only feed layers that are not run).
+    mask : callable
+        Builds each layer's mask, with :func:`attention_mask`'s signature. Only
+        :mod:`kvlab.cache.repro` passes another (a defect, to measure it).
     """
     # Read before the move: on an accelerator int() would sync, and a meta tensor has no values.
     first, last = int(slots[0]), int(slots[-1])
@@ -71,21 +76,25 @@ def run_layers(decoder: Decoder, slots: torch.Tensor, n_layers: int, layer_kv, s
         hi = last + 1
         if window is not None and window > last:
             window = None  # no token run here reaches past its window
-        if everything and window is None and kv.avail is None and not decoder.eager:
+        if everything and window is None and kv.avail is None and not decoder.eager and mask is attention_mask:
             # A plain causal prefill: no mask lets sdpa take its causal path (skips the
             # masked half), as the model's own prefill does.
-            mask = None
+            layer_mask = None
         elif kv.avail is None:
             if (window, lo, hi) not in masks:
-                masks[window, lo, hi] = attention_mask(decoder, slots, None, window, lo, hi)
-            mask = masks[window, lo, hi]
+                masks[window, lo, hi] = mask(decoder, slots, None, window, lo, hi)
+            layer_mask = masks[window, lo, hi]
         else:
-            mask = attention_mask(decoder, slots, kv.avail, window, lo, hi)
+            layer_mask = mask(decoder, slots, kv.avail, window, lo, hi)
         stop = stop_after_kv and li == n_layers - 1
         writer = (_StoppingSlotWriter if stop else _SlotWriter)(kv.keys, kv.values, slots, lo, hi)
         try:
             out = decoder.layers[li](
-                h, attention_mask=mask, position_ids=pos, position_embeddings=pes[li], **{decoder.cache_kw: writer}
+                h,
+                attention_mask=layer_mask,
+                position_ids=pos,
+                position_embeddings=pes[li],
+                **{decoder.cache_kw: writer},
             )
         except _KVWritten:
             out = h

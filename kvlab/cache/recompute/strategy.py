@@ -20,7 +20,7 @@ from transformers import DynamicCache
 
 from kvlab.cache.fragments import Fragment
 from kvlab.cache.recompute.decoder import Decoder
-from kvlab.cache.recompute.inputs import layer_inputs
+from kvlab.cache.recompute.inputs import attention_mask, layer_inputs
 from kvlab.cache.recompute.layers import run_layers
 from kvlab.cache.recompute.select import key_deviation
 from kvlab.cache.strategies import KeyRotator, Rerotate, Strategy, concat_layers, register
@@ -58,6 +58,9 @@ class Recompute(Strategy):
     """
 
     needs_model: ClassVar[bool] = True
+    #: Builds the recomputed tokens' masks: causal by landing position. A class attribute, not a
+    #: field: only :class:`kvlab.cache.repro.BottomRightRecompute` (a defect) replaces it.
+    mask: ClassVar = staticmethod(attention_mask)
     ratio: float = 0.15
     policy: str = "deviation"
     check_layer: int | None = None
@@ -91,7 +94,7 @@ class Recompute(Strategy):
             return merged
         decoder = Decoder.of(model, fragments, landings)
         chosen = self.select_tokens(decoder, merged)
-        recompute_tokens(decoder, merged, chosen, rotator)
+        recompute_tokens(decoder, merged, chosen, rotator, mask=self.mask)
         return merged
 
     def select(self, fragments: list[Fragment], landings: list[int], model: LoadedModel) -> torch.Tensor:
@@ -195,7 +198,9 @@ def fragment_start_positions(lengths: list[int], landings: list[int], k: int) ->
 
 
 @torch.inference_mode()
-def recompute_tokens(decoder: Decoder, merged: DynamicCache, slots: torch.Tensor, rotator: KeyRotator) -> None:
+def recompute_tokens(
+    decoder: Decoder, merged: DynamicCache, slots: torch.Tensor, rotator: KeyRotator, mask=attention_mask
+) -> None:
     """Steps 2-4: replace, in place, the K/V of the tokens at ``slots`` in every layer of ``merged``.
 
     Parameters
@@ -208,5 +213,9 @@ def recompute_tokens(decoder: Decoder, merged: DynamicCache, slots: torch.Tensor
         ``[k]`` ascending merged positions, ``k >= 1``.
     rotator : KeyRotator
         The merge's key rotator, reused for the fragments' sliding tails.
+    mask : callable
+        As :func:`kvlab.cache.recompute.layers.run_layers` takes it.
     """
-    run_layers(decoder, slots, len(decoder.layers), lambda li: layer_inputs(decoder, merged, li, slots, rotator))
+    run_layers(
+        decoder, slots, len(decoder.layers), lambda li: layer_inputs(decoder, merged, li, slots, rotator), mask=mask
+    )
