@@ -223,7 +223,7 @@ def conclusions(
             + ("intervals do not overlap" if ci[worst, "span_kl"].lo > top else "intervals overlap")
         )
         if diff is not None:
-            line += f"; the named comparison {primary[0]} - {primary[1]} is {_ci(diff, '+.4f')} " + (
+            line += f"; the named comparison {primary[0]} - {primary[1]} is {_ci(diff, '+.3f')} " + (
                 "(resolved)" if diff.excludes(0) else "(not resolved)"
             )
         out.append(line + ".")
