@@ -24,7 +24,7 @@ from kvlab.cache.merge import merge
 from kvlab.cache.recompute.strategy import POLICIES
 from kvlab.cache.strategies import STRATEGIES, strategy_names
 from kvlab.errors import KvlabError
-from kvlab.lab.plots import kv_heatmap, phase_vs_position_head
+from kvlab.lab.plots import kv_heatmaps, phase_vs_position_head
 from kvlab.measure.case import DEFAULT_PROBES, DEFAULT_TEXTS, Case
 from kvlab.measure.metrics import (
     kv_diff,
@@ -386,8 +386,8 @@ class MergeExplorer:
         self._step("drawing the phase plot")
         self.figures["phase"] = phase_vs_position_head(p, hi, title, self.landings)
         self._step("drawing the heatmap")
-        self.figures["heatmap"] = kv_heatmap(
-            self.diffs, self.state["model"], self._label(), "phase ref", self.landings, layer=li
+        self.figures["heatmap"] = kv_heatmaps(
+            {self._label(): self.diffs}, self.state["model"], "phase ref", self.landings, layer=li
         )
         for fig in self.figures.values():
             plt.close(fig)  # off pyplot's list, so the inline backend does not print them below the cell

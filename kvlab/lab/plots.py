@@ -153,24 +153,6 @@ def kv_heatmaps(
     return fig
 
 
-def kv_heatmap(
-    diffs: list[LayerDiff],
-    model_name: str,
-    strategy: str,
-    reference: str,
-    landings: list[int],
-    layer: int | None = None,
-    vmin: float = 1e-7,
-    vmax: float | None = None,
-) -> Figure:
-    """|K - ref| and |V - ref| heatmaps of one merge (:func:`kv_heatmaps` with one row), max over head_dim.
-
-    With ``layer=None`` the grid is layer x position (max over heads); with a layer index
-    it is head x position for that layer.
-    """
-    return kv_heatmaps({strategy: diffs}, model_name, reference, landings, layer=layer, vmin=vmin, vmax=vmax)
-
-
 def error_budget(budget: dict[str, dict[str, np.ndarray]], model_name: str) -> Figure:
     """Per-layer relative K errors: total (vs joined prefill) against phase and context.
 
