@@ -193,7 +193,15 @@ def _peers(args) -> int:
     from kvlab.peers.compare import peer_table
 
     torch.manual_seed(0)
-    print(peer_table(load_model(args.model)))
+    model = load_model(args.model)
+    print(peer_table(model))
+    if args.quantised:
+        # Opt-in: 2 x 512 tokens with f16, q8_0 and q4_0 K caches takes about 2 minutes on
+        # SmolLM2 on 2 cores (3 prefills of 1024 tokens per type), more than the tables above.
+        from kvlab.peers.compare import format_quantised, quantised_shift_table
+
+        print(f"\nK-shift on a quantised K cache (V f16): next-token KL (nats), two fragments of {args.lengths} tokens")
+        print(format_quantised(quantised_shift_table(model, lengths=args.lengths)))
     return 0
 
 
@@ -286,6 +294,14 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_mismatch)
     p = sub.add_parser("peers", help="kvlab beside llama.cpp on the same GGUF (needs the `peers` extra)")
     p.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP + "; a model with a GGUF file")
+    p.add_argument(
+        "--quantised",
+        action="store_true",
+        help="also llama.cpp's K-shift with f16, q8_0 and q4_0 K caches against its own references (minutes)",
+    )
+    p.add_argument(
+        "--lengths", nargs="+", type=int, default=[512], metavar="N", help="tokens per fragment for --quantised"
+    )
     p.set_defaults(func=_peers)
     p = sub.add_parser("report", help="execute the notebooks with papermill into an HTML report")
     p.add_argument(

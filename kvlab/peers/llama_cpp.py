@@ -108,7 +108,18 @@ def check_gguf_file(path) -> Path:
     return path
 
 
-KV_TYPES = {"f16": 1, "f32": 0}  # ggml_type ids of the KV cache element types offered here
+#: ggml_type ids (llama_cpp.GGML_TYPE_*) of the KV cache element types offered here. The two
+#: block-quantised types store 32 elements per block with one f16 scale: q8_0 in 8-bit, q4_0 in
+#: 4-bit integers. llama.cpp shifts a quantised K cache by dequantising to f32, rotating and
+#: quantising back (llama.cpp issues 5652 and 9743); a quantised V cache needs flash attention.
+KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8}
+QUANTISED_KV_TYPES = ("q8_0", "q4_0")
+
+
+def _kv_type_id(which: str, name: str) -> int:
+    if name not in KV_TYPES:
+        raise PeerError(f"{which} must be one of {sorted(KV_TYPES)}, got {name!r}")
+    return KV_TYPES[name]
 
 
 @dataclass(frozen=True)
@@ -143,8 +154,12 @@ class LlamaEngine:
         Number of sequence ids the context accepts (one per fragment of a merge).
     n_threads : int, optional
         Threads for decoding (default: torch's thread count).
-    kv_type : {"f16", "f32"}
-        Element type of the KV cache; llama.cpp's default is f16.
+    kv_type : {"f16", "f32", "q8_0", "q4_0"}
+        Element type of the KV cache (K and V); llama.cpp's default is f16.
+    type_k, type_v : str, optional
+        Element type of the K or the V cache alone, overriding ``kv_type`` (same names).
+        llama.cpp refuses a quantised V cache without flash attention (``flash_attn=False``);
+        its automatic choice turns flash attention on for it on the CPU.
     swa_full : bool
         Keep every token in sliding-window layers (llama.cpp's library default). The server
         sets it False, keeping only the window, which is what makes it refuse cache reuse.
@@ -171,12 +186,16 @@ class LlamaEngine:
         swa_full: bool = True,
         n_batch: int = 512,
         flash_attn: bool | None = None,
+        type_k: str | None = None,
+        type_v: str | None = None,
     ):
         path = check_gguf_file(path)
         L = lib()
-        if kv_type not in KV_TYPES:
-            raise PeerError(f"kv_type must be one of {sorted(KV_TYPES)}, got {kv_type!r}")
+        _kv_type_id("kv_type", kv_type)
+        type_k, type_v = type_k or kv_type, type_v or kv_type
+        k_id, v_id = _kv_type_id("type_k", type_k), _kv_type_id("type_v", type_v)
         self._model = self._ctx = self._batch = None
+        self._shift_pending = False  # a seq_add whose K-shift the next decode applies
         self.path = path
         _LOG.clear()
         mparams = L.llama_model_default_params()
@@ -195,7 +214,7 @@ class LlamaEngine:
         cparams.n_threads = cparams.n_threads_batch = self.n_threads
         cparams.kv_unified = True
         cparams.swa_full = bool(swa_full)
-        cparams.type_k = cparams.type_v = KV_TYPES[kv_type]
+        cparams.type_k, cparams.type_v = k_id, v_id
         cparams.no_perf = True
         if flash_attn is not None:  # None keeps llama.cpp's automatic choice
             cparams.flash_attn_type = 1 if flash_attn else 0
@@ -203,13 +222,15 @@ class LlamaEngine:
         if not ctx:
             self.close()
             raise PeerError(
-                f"llama.cpp could not create a context for {path} (n_ctx={n_ctx}, "
-                f"n_seq_max={n_seq_max}, kv_type={kv_type}): {_said()}"
+                f"llama.cpp could not create a context for {path.name} (n_ctx={n_ctx}, "
+                f"n_seq_max={n_seq_max}, K cache {type_k}, V cache {type_v}, flash_attn="
+                f"{'auto' if flash_attn is None else flash_attn}): {_said()}"
             )
         self._ctx = ctx
         self.n_ctx = int(L.llama_n_ctx(ctx))
         self.n_seq_max = int(n_seq_max)
         self.kv_type, self.swa_full = kv_type, bool(swa_full)
+        self.type_k, self.type_v = type_k, type_v
         self._mem = L.llama_get_memory(ctx)
         self._batch = L.llama_batch_init(self.n_batch, 0, 1)
         buf = ctypes.create_string_buffer(256)
@@ -265,6 +286,7 @@ class LlamaEngine:
     def clear(self) -> None:
         """Empty the KV cache (all sequences)."""
         self._live().llama_memory_clear(self._mem, True)
+        self._shift_pending = False
 
     def pos_max(self, seq: int = 0) -> int:
         """Largest position held by ``seq`` (-1 when empty)."""
@@ -277,9 +299,12 @@ class LlamaEngine:
     def seq_add(self, seq: int, delta: int, p0: int = -1, p1: int = -1) -> None:
         """Move ``seq``'s tokens in ``[p0, p1)`` by ``delta`` positions (``llama_memory_seq_add``).
 
-        Their keys are rotated by ``delta`` (a K-shift) at the next decode, not now.
+        Their keys are rotated by ``delta`` (a K-shift) at the next decode, not now; a refusal
+        of that decode names the K cache type (a quantised K cache is dequantised, rotated and
+        quantised back).
         """
         self._live().llama_memory_seq_add(self._mem, seq, p0, p1, delta)
+        self._shift_pending = self._shift_pending or delta != 0
 
     def seq_cp(self, src: int, dst: int) -> None:
         """Add sequence ``dst`` to every cell of ``src`` (``llama_memory_seq_cp``; bookkeeping in a unified cache)."""
@@ -326,10 +351,12 @@ class LlamaEngine:
             _LOG.clear()
             rc = L.llama_decode(self._ctx, b)
             if rc != 0:
+                pending = f", with a K-shift of the {self.type_k} K cache pending" if self._shift_pending else ""
                 raise PeerError(
                     f"llama.cpp refused to decode {len(chunk)} tokens on sequence {seq} at position "
-                    f"{pos + lo} (llama_decode returned {rc}): {_said()}"
+                    f"{pos + lo} (llama_decode returned {rc}{pending}): {_said()}"
                 )
+            self._shift_pending = False
 
     def log_probs(self) -> torch.Tensor:
         """``[n_vocab]`` float64 log-softmax of the logits of the last decoded token."""
@@ -385,7 +412,8 @@ class LlamaEngine:
             )
         if not L.llama_memory_can_shift(self._mem):
             raise PeerError(
-                f"llama.cpp cannot shift the KV cache of {self.path.name} (llama_memory_can_shift is false)"
+                f"llama.cpp cannot shift the KV cache of {self.path.name} (K cache {self.type_k}, "
+                f"swa_full={self.swa_full}: llama_memory_can_shift is false)"
             )
         self.clear()
         for i, ids in enumerate(fragments):
