@@ -44,6 +44,7 @@ from kvlab.findings.qa import ask, passage_fragments
 from kvlab.findings.records import read_records, record
 from kvlab.lab.kernel import KERNEL_NAME, kernel_name
 from kvlab.measure.case import Case, FidelityReference
+from kvlab.measure.certify import Certificate, certify
 from kvlab.measure.fidelity import Fidelity, fidelity, merge_seconds, merge_times
 from kvlab.measure.mismatch import VARIANT_KINDS, MismatchResult, mismatch_kl, variants
 from kvlab.measure.probes import ProbeRead, read_probes
@@ -73,7 +74,7 @@ __all__ = [
     # measures
     "Case", "FidelityReference", "Fidelity", "fidelity", "merge_seconds", "merge_times", "ProbeRead", "read_probes",
     "VARIANT_KINDS", "MismatchResult", "mismatch_kl", "variants", "CI", "mean_ci", "paired_diff_ci",
-    "proportion_ci", "paired_p", "holm", "gap_closed_ci",
+    "proportion_ci", "paired_p", "holm", "gap_closed_ci", "Certificate", "certify",
     # findings
     "EvalSet", "Question", "generate", "ask", "passage_fragments", "read_records", "record",
     # lab and sweeps

@@ -48,6 +48,18 @@ def _check(args) -> int:
     return 0
 
 
+def _certify(args) -> int:
+    from kvlab.measure.certify import certify
+    from kvlab.models.sources import load_model
+
+    torch.manual_seed(0)
+    cert = certify(load_model(args.model))
+    print(cert.table(verbose=args.verbose))
+    if args.json:
+        print(f"certificate: {cert.write_json(args.json)}")
+    return 0 if cert.passed else 1
+
+
 def _mismatch(args) -> int:
     from kvlab.measure.mismatch import format_study, mismatch_study
     from kvlab.models.sources import load_model
@@ -273,6 +285,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.set_defaults(func=_check)
+    p = sub.add_parser(
+        "certify",
+        help="check a model's rotation, exact strategies, sliding windows, refusals, cache files and noise floor",
+        description="Every line states its measured value beside its bound. Exit status 0: certified (no line failed "
+        "or was refused); 1: not certified; 2: the model cannot be loaded.",
+    )
+    p.add_argument("model", help=MODEL_HELP)
+    p.add_argument("--json", metavar="FILE", help="also write the certificate as JSON (atomically)")
+    p.add_argument("--verbose", action="store_true", help="print every line's detail, not only a failing one's")
+    p.set_defaults(func=_certify)
     p = sub.add_parser(
         "inspect",
         help="who made a cache file, and is it intact (optionally: does it fit a model); for a folder, every cache "
