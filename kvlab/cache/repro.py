@@ -6,6 +6,9 @@ MemOS bug reports describe, and says what is wrong in its docstring.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
@@ -14,6 +17,9 @@ from kvlab.cache.fragments import Fragment, clone_cache
 from kvlab.cache.recompute.decoder import Decoder
 from kvlab.cache.recompute.inputs import attention_mask
 from kvlab.cache.recompute.strategy import Recompute
+from kvlab.cache.strategies import KeyRotator, Strategy, concat_layers
+from kvlab.errors import MergeError
+from kvlab.models.rope import layer_ropes
 
 
 def assigned_merge(fragments: list[Fragment]) -> DynamicCache:
@@ -117,3 +123,36 @@ class BottomRightRecompute(Recompute):
     """
 
     mask = staticmethod(bottom_right_mask)
+
+
+@dataclass
+class RerotateOnly(Strategy):
+    """ABLATION: ``rerotate`` on the layers of one type, a naive merge on every other layer.
+
+    Gemma 3 turns its sliding layers with one rope base and its full layers with another;
+    re-rotating one type alone shows which of them carries a naive merge's damage. Not
+    registered as a strategy: build it here to measure beside ``naive`` and ``rerotate``.
+
+    Parameters
+    ----------
+    layer_type : str
+        ``sliding_attention`` or ``full_attention`` (as ``config.layer_types`` names them).
+    """
+
+    layer_type: str = "sliding_attention"
+    needs_model: ClassVar[bool] = True
+    name: ClassVar[str] = "rerotate-only"
+
+    def __call__(self, fragments, landings, model):
+        types = [r.layer_type for r in layer_ropes(model.model)]
+        if self.layer_type not in types:
+            raise MergeError(f"{model.name} has no {self.layer_type!r} layers (it has {sorted(set(types))})")
+        rotate = KeyRotator(model, fragments, landings)
+
+        def write(k, li, f, land, out):
+            if types[li] == self.layer_type:
+                rotate(k, li, f, land, out)
+            else:
+                out.copy_(k)
+
+        return concat_layers(fragments, landings, write)

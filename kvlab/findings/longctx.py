@@ -113,12 +113,15 @@ def run(
     greedy_tokens: int = 5,
     ratio: float = 0.15,
     sets: int = 1,
+    strategies: dict[str, Strategy] | None = None,
     log=None,
 ) -> tuple[list[dict], dict]:
     """Answer generated questions behind every strategy, for each fragment count.
 
     ``sets`` independent seeded sets (other people, facts, filler) are read per count, so a
     count's n can grow past the ``3 * people_per_passage * n_fragments`` questions one set holds.
+    ``strategies`` (``label -> Strategy``, ``reprefill`` among them as the reference) replaces
+    :func:`default_strategies`.
 
     Returns
     -------
@@ -146,7 +149,12 @@ def run(
             frags, probes = passage_fragments(model, s)
             total = sum(f.length for f in frags)
             for r in ask(
-                model, s, default_strategies(ratio, seed), greedy_tokens=greedy_tokens, fragments=frags, probes=probes
+                model,
+                s,
+                strategies or default_strategies(ratio, seed),
+                greedy_tokens=greedy_tokens,
+                fragments=frags,
+                probes=probes,
             ):
                 r.update(n_fragments=k, set=j, fragment_tokens=fragment_tokens, total_tokens=total)
                 rows.append(r)
@@ -207,7 +215,7 @@ def summarize(rows: list[dict], by: tuple[str, ...] = ("n_fragments", "strategy"
     return out
 
 
-def _pairs(rows: list[dict], a: str, b: str, metric: str, where: dict | None) -> tuple[list, list, list]:
+def pairs(rows: list[dict], a: str, b: str, metric: str, where: dict | None) -> tuple[list, list, list]:
     """``metric`` of ``a`` and of ``b`` over the questions both answered, and each pair's cache."""
     where = where or {}
 
@@ -225,7 +233,7 @@ def _pairs(rows: list[dict], a: str, b: str, metric: str, where: dict | None) ->
 
 def paired(rows: list[dict], a: str, b: str, metric: str, *, where: dict | None = None, seed: int = 0) -> CI:
     """CI of ``metric(a) - metric(b)`` over the questions both strategies answered, paired, resampled by cache."""
-    x, y, caches = _pairs(rows, a, b, metric, where)
+    x, y, caches = pairs(rows, a, b, metric, where)
     return paired_diff_ci(x, y, clusters=caches, seed=seed)
 
 
@@ -233,7 +241,7 @@ def gap_closed(
     rows: list[dict], a: str, b: str, metric: str = "span_kl", *, where: dict | None = None, seed: int = 0
 ) -> CI:
     """The share of ``b``'s error (``metric``, 0 at the joined prefill) that ``a`` removes, paired, resampled by cache."""
-    x, y, caches = _pairs(rows, a, b, metric, where)
+    x, y, caches = pairs(rows, a, b, metric, where)
     return gap_closed_ci(x, y, clusters=caches, seed=seed)
 
 

@@ -144,6 +144,22 @@ def test_deviation_never_picks_the_first_fragment_while_later_tokens_remain():
         assert chosen.numel() and int(chosen.min()) >= fs[0].length
 
 
+def test_random_later_draws_from_the_later_fragments_first_and_is_seeded():
+    m = tiny("tiny-llama")
+    fs = frags(m)
+    landings = kvlab.landing_positions(fs)
+    later = sum(f.length for f in fs[1:])
+    n = fs[0].length + later
+    picks = [Recompute(ratio=(later - 1) / n, policy="random_later", seed=s).select(fs, landings, m) for s in (1, 1, 2)]
+    assert all(int(p.min()) >= fs[0].length and p.numel() == later - 1 for p in picks)
+    assert torch.equal(picks[0], picks[1]) and not torch.equal(picks[0], picks[2])
+    # Past the later tokens it adds fragment 0's, so ratio 1 is still every token.
+    over = Recompute(ratio=(later + 3) / n, policy="random_later").select(fs, landings, m)
+    assert over.numel() == later + 3 and int((over < fs[0].length).sum()) == 3
+    # The unfair control draws from fragment 0 as well.
+    assert int((Recompute(ratio=0.5, policy="random").select(fs, landings, m) < fs[0].length).sum()) > 0
+
+
 def test_deviation_check_layer_must_hold_every_token():
     m = tiny("tiny-gemma3")  # layers 0-2 sliding (keep 7 of 93 tokens here), layer 3 full
     fs = frags(m)

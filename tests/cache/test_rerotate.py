@@ -176,3 +176,22 @@ def test_rotate_keys_leaves_input_alone():
     before = k.clone()
     out = rotate_keys(k, inv64.float(), 7)
     assert torch.equal(k, before) and out.data_ptr() != k.data_ptr()
+
+
+@pytest.mark.parametrize("layer_type", ["sliding_attention", "full_attention"])
+def test_rerotate_only_one_layer_type_is_rerotate_there_and_naive_elsewhere(layer_type):
+    from kvlab.cache.repro import RerotateOnly
+
+    m = tiny("tiny-gemma3")
+    frags = [kvlab.prefill(m, t) for t in TEXTS]
+    part = kvlab.merge(frags, RerotateOnly(layer_type), m)
+    rot, naive = kvlab.merge(frags, "rerotate", m), kvlab.merge(frags, "naive", m)
+    types = [r.layer_type for r in layer_ropes(m.model)]
+    assert {layer_type} < set(types)  # both kinds present, so each branch is exercised
+    for li, t in enumerate(types):
+        want = rot if t == layer_type else naive
+        assert torch.equal(part.layers[li].keys, want.layers[li].keys), li
+        assert torch.equal(part.layers[li].values, rot.layers[li].values)
+        assert part.layers[li].get_seq_length() == rot.layers[li].get_seq_length()
+    with pytest.raises(kvlab.MergeError, match="no 'sliding_attention' layers"):
+        kvlab.merge([kvlab.prefill(tiny("tiny-qwen2"), t) for t in TEXTS], RerotateOnly(), tiny("tiny-qwen2"))

@@ -27,7 +27,7 @@ from kvlab.cache.strategies import KeyRotator, Rerotate, Strategy, concat_layers
 from kvlab.errors import MergeError
 from kvlab.models.loaded import LoadedModel
 
-POLICIES = ("deviation", "fragment_start", "random")
+POLICIES = ("deviation", "fragment_start", "random", "random_later")
 
 
 @register("recompute")
@@ -45,7 +45,9 @@ class Recompute(Strategy):
         Which tokens: ``deviation`` (CacheBlend: largest squared key deviation between the
         re-rotated cache and a fresh prefill of the first layers, at ``check_layer``),
         ``fragment_start`` (the first tokens of each fragment after the first, as evenly
-        as their lengths allow) or ``random`` (a seeded control).
+        as their lengths allow), ``random`` (a seeded control over every token) or
+        ``random_later`` (the fair control: seeded, drawn from the tokens after fragment 0,
+        the only ones a recompute can change, fragment 0's only once those run out).
     check_layer : int, optional
         Layer whose keys ``deviation`` compares. Default: layer 1, or, when layer 1 is a
         sliding-window layer that no longer holds every merged token, the first later
@@ -54,7 +56,7 @@ class Recompute(Strategy):
         K/V only score, they are not written, so the policies differ only in the
         tokens they pick.
     seed : int
-        Seed of the ``random`` policy.
+        Seed of the ``random`` and ``random_later`` policies.
     """
 
     needs_model: ClassVar[bool] = True
@@ -132,6 +134,14 @@ class Recompute(Strategy):
         if self.policy == "random":
             g = torch.Generator().manual_seed(self.seed)
             return torch.randperm(decoder.total, generator=g)[:k].sort().values
+        if self.policy == "random_later":
+            # Fragment 0 sits where it was prefilled with all the context it ever has: exact already.
+            g = torch.Generator().manual_seed(self.seed)
+            first = decoder.landings[1] if len(decoder.landings) > 1 else decoder.total
+            order = torch.cat(
+                [first + torch.randperm(decoder.total - first, generator=g), torch.randperm(first, generator=g)]
+            )
+            return order[:k].sort().values
         if self.policy == "fragment_start":
             return fragment_start_positions([f.length for f in decoder.fragments], decoder.landings, k)
         layer = self._check_layer(decoder, merged)
