@@ -1,0 +1,187 @@
+"""The recompute curve (issue 24, part 3): how much of rerotate's answer-span error does selective
+recompute remove at each ratio, per policy, and at what ratio does it remove 90%?
+
+The long-context questions (one person per passage) behind merges of 4 fragments of at most 256
+tokens, read behind rerotate, reprefill (the reference: error 0) and recompute at ratios
+0.05, 0.1, 0.15, 0.3 and 0.5 with three policies: ``deviation`` (CacheBlend's selection),
+``fragment_start`` (EPIC's) and ``random_later`` (the fair control: seeded, from the tokens after
+fragment 0, the only ones a recompute can change). Ratio 0 is rerotate bit for bit and ratio 1
+the joined prefill (``kvlab certify`` checks both), so the curve runs from 0 to 1 by construction.
+
+Named before the run: for each policy and ratio, the share of rerotate's answer-span KL it
+removes, ``1 - mean(recompute) / mean(rerotate)`` over the same questions
+(``kvlab.gap_closed_ci``, resampled by cache, 95%); and per policy ``r90``, the ratio removing 90%,
+by linear interpolation of that curve (through (0, 0) and (1, 1)), with a cluster-bootstrap
+interval over caches (the whole curve resampled at once). Exact match against the truth is
+reported beside it.
+
+    .venv/bin/python studies/recompute_curve.py --model smollm2-135m --sets 12
+    .venv/bin/python studies/recompute_curve.py --model smollm2-135m --table
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+import kvlab
+from kvlab.atomic import atomic_path, atomic_write_text
+from kvlab.findings import longctx
+
+RATIOS = (0.05, 0.1, 0.15, 0.3, 0.5)
+POLICIES = ("deviation", "fragment_start", "random_later")
+TARGET = 0.9
+N_BOOT = 2000
+
+
+def label(policy: str, r: float) -> str:
+    return f"{policy} r={r:g}"
+
+
+def strategies(ratios, policies, seed: int) -> dict:
+    out = {"rerotate": kvlab.Rerotate(), "reprefill": kvlab.Reprefill()}
+    for p in policies:
+        for r in ratios:
+            out[label(p, r)] = kvlab.Recompute(ratio=r, policy=p, seed=seed)
+    return out
+
+
+def as_dict(c):
+    return None if c is None else {"mean": c.mean, "lo": c.lo, "hi": c.hi, "n": c.n, "caches": c.n_clusters}
+
+
+def crossing(ratios, shares, target: float = TARGET) -> float:
+    """The first ratio where the piecewise-linear curve through (0, 0), the points and (1, 1) reaches ``target``."""
+    xs, ys = [0.0, *ratios, 1.0], [0.0, *shares, 1.0]
+    for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+        if y0 < target <= y1:
+            return x0 + (target - y0) * (x1 - x0) / (y1 - y0)
+    return 0.0 if ys[0] >= target else 1.0
+
+
+def r90(rows: list[dict], policy: str, ratios, seed: int) -> dict:
+    """``r90`` of one policy and its cluster-bootstrap interval (caches resampled, the curve with them)."""
+    caches = sorted({longctx.cache_of(r) for r in rows})
+    index = {c: i for i, c in enumerate(caches)}
+    names = ["rerotate", *(label(policy, r) for r in ratios)]
+    sums = np.zeros((len(caches), len(names)))
+    for r in rows:
+        if r["strategy"] in names:
+            sums[index[longctx.cache_of(r)], names.index(r["strategy"])] += float(r["span_kl"])
+    point = crossing(ratios, 1 - sums[:, 1:].sum(0) / sums[:, 0].sum())
+    rng = np.random.default_rng(seed)
+    draws = rng.integers(0, len(caches), size=(N_BOOT, len(caches)))
+    boot = [crossing(ratios, 1 - s[1:] / s[0]) for s in sums[draws].sum(1)]
+    lo, hi = np.percentile(boot, [2.5, 97.5])
+    return {"mean": point, "lo": float(lo), "hi": float(hi), "caches": len(caches)}
+
+
+def summarise(rows: list[dict], ratios, policies, seed: int) -> dict:
+    summary = [
+        {k: as_dict(v) if isinstance(v, kvlab.CI) else v for k, v in s.items()}
+        for s in longctx.summarize(rows, ("strategy",), seed=seed)
+    ]
+    shares, em = {}, {}
+    for p in policies:
+        for r in ratios:
+            shares[label(p, r)] = as_dict(longctx.gap_closed(rows, label(p, r), "rerotate", "span_kl", seed=seed))
+            em[label(p, r)] = as_dict(longctx.paired(rows, label(p, r), "rerotate", "em", seed=seed))
+    return {
+        "summary": summary,
+        "share_of_rerotate_span_kl_removed": shares,
+        "paired_em_minus_rerotate": em,
+        "r90": {p: r90(rows, p, ratios, seed) for p in policies},
+    }
+
+
+def tables(doc: dict) -> str:
+    ratios, policies = doc["args"]["ratios"], doc["args"]["policies"]
+    f = lambda c, p=2: f"{c['mean']:.{p}f} [{c['lo']:.{p}f}, {c['hi']:.{p}f}]"  # noqa: E731
+    head = "| policy | " + " | ".join(f"r = {r:g}" for r in ratios) + " | r90 |"
+    out = [
+        f"Share of rerotate's answer-span KL removed ({doc['model']}, {doc['args']['count']} x "
+        f"{doc['args']['tokens']} tokens):",
+        "",
+        head,
+        "|" + "---|" * (len(ratios) + 2),
+    ]
+    for p in policies:
+        cells = [f(doc["share_of_rerotate_span_kl_removed"][label(p, r)]) for r in ratios]
+        out.append(f"| {p} | " + " | ".join(cells) + f" | {f(doc['r90'][p])} |")
+    out += [
+        "",
+        "Exact match, recompute - rerotate (paired):",
+        "",
+        head.replace(" r90 |", ""),
+        "|" + "---|" * (len(ratios) + 1),
+    ]
+    g = lambda c: f"{c['mean']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}]"  # noqa: E731
+    for p in policies:
+        out.append(f"| {p} | " + " | ".join(g(doc["paired_em_minus_rerotate"][label(p, r)]) for r in ratios) + " |")
+    by = {s["strategy"]: s for s in doc["summary"]}
+    rot, ref = by["rerotate"], by["reprefill"]
+    out += [
+        "",
+        f"rerotate: answer-span KL {f(rot['span_kl'], 3)} nats/token, exact match {f(rot['em'])}; reprefill's "
+        f"exact match (the ceiling) {f(ref['em'])}; n = {rot['n']} questions over {rot['n_caches']} caches",
+    ]
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--count", type=int, default=4, help="fragments per merge")
+    ap.add_argument("--tokens", type=int, default=256, help="tokens per fragment (at most)")
+    ap.add_argument("--ratios", type=float, nargs="+", default=list(RATIOS))
+    ap.add_argument("--policies", nargs="+", default=list(POLICIES))
+    ap.add_argument("--sets", type=int, default=12, help="independent generated sets (caches)")
+    ap.add_argument("--people", type=int, default=1)
+    ap.add_argument("--max-questions", type=int, default=6)
+    ap.add_argument("--greedy-tokens", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="results")
+    ap.add_argument("--table", action="store_true", help="print the tables of --out's JSON and stop")
+    args = ap.parse_args()
+    path = Path(args.out) / f"recompute_curve_{args.model}.json"
+    if args.table:
+        print(tables(json.loads(path.read_text())))
+        return
+    started = time.perf_counter()
+    model = kvlab.load_model(args.model)
+    rows, timings = longctx.run(
+        model,
+        [args.count],
+        args.tokens,
+        seed=args.seed,
+        people_per_passage=args.people,
+        max_questions=args.max_questions,
+        greedy_tokens=args.greedy_tokens,
+        sets=args.sets,
+        strategies=strategies(args.ratios, args.policies, args.seed),
+        log=lambda m: print(m, flush=True),
+    )
+    with atomic_path(path.with_suffix(".csv")) as tmp, open(tmp, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    doc = {
+        "model": model.name,
+        "command": " ".join(["studies/recompute_curve.py"] + sys.argv[1:]),
+        "args": vars(args),
+        "wall_s": time.perf_counter() - started,
+        **summarise(rows, args.ratios, args.policies, args.seed),
+    }
+    atomic_write_text(path, json.dumps(doc, indent=1, default=float))
+    print(tables(doc))
+    print(f"done in {doc['wall_s']:.0f} s -> {path}")
+
+
+if __name__ == "__main__":
+    main()
