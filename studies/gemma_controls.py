@@ -46,10 +46,6 @@ STRATEGIES = {
 ONLY = ("rerotate sliding only", "rerotate full only")
 
 
-def as_dict(c):
-    return None if c is None else {"mean": c.mean, "lo": c.lo, "hi": c.hi, "n": c.n, "caches": c.n_clusters}
-
-
 def excess(rows: list[dict], a: str, tokens: int) -> tuple[list, list, list]:
     """Per question of one length: (a - rerotate, naive - rerotate) answer-span KL and the cache labels."""
     where = {"fragment_tokens": tokens}
@@ -60,22 +56,21 @@ def excess(rows: list[dict], a: str, tokens: int) -> tuple[list, list, list]:
 
 
 def summarise(rows: list[dict], lengths: list[int], seed: int) -> dict:
-    summary = [
-        {k: as_dict(v) if isinstance(v, kvlab.CI) else v for k, v in s.items()}
-        for s in longctx.summarize(rows, ("fragment_tokens", "strategy"), seed=seed)
-    ]
+    summary = longctx.json_ready(longctx.summarize(rows, ("fragment_tokens", "strategy"), seed=seed))
     diffs, shares = {}, {}
     for t in lengths:
         where = {"fragment_tokens": t}
         for m in ("span_kl", "em", "kl"):
-            diffs[f"2 x {t}: naive - rerotate {m}"] = as_dict(longctx.paired(rows, "naive", "rerotate", m, where=where))
+            diffs[f"2 x {t}: naive - rerotate {m}"] = longctx.paired(
+                rows, "naive", "rerotate", m, where=where
+            ).as_dict()
             for a in ONLY:
-                diffs[f"2 x {t}: {a} - rerotate {m}"] = as_dict(longctx.paired(rows, a, "rerotate", m, where=where))
+                diffs[f"2 x {t}: {a} - rerotate {m}"] = longctx.paired(rows, a, "rerotate", m, where=where).as_dict()
         for a in ONLY:
             x, y, caches = excess(rows, a, t)
-            shares[f"2 x {t}: {a} removes of naive's excess span KL"] = as_dict(
-                kvlab.gap_closed_ci(x, y, clusters=caches, seed=seed)
-            )
+            shares[f"2 x {t}: {a} removes of naive's excess span KL"] = kvlab.gap_closed_ci(
+                x, y, clusters=caches, seed=seed
+            ).as_dict()
     return {"summary": summary, "paired_differences": diffs, "share_of_naive_excess_removed": shares}
 
 

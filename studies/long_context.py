@@ -33,10 +33,6 @@ from kvlab.findings import longctx  # noqa: E402
 CI_KEYS = ("kl", "span_kl", "nll", "em", "agree", "ref_em", "agree_right")
 
 
-def ci_dict(c):
-    return None if c is None else {"mean": c.mean, "lo": c.lo, "hi": c.hi, "n": c.n, "caches": c.n_clusters}
-
-
 def write(out: Path, model, args, rows, timings, profile, started, keep: dict | None = None):
     """Write the CSV, the JSON summary and the figures; ``keep``: JSON fields carried over unchanged."""
     name = model.name
@@ -44,44 +40,26 @@ def write(out: Path, model, args, rows, timings, profile, started, keep: dict | 
         w = csv.DictWriter(fh, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    summary = [
-        {
-            **{k: v for k, v in r.items() if k not in CI_KEYS},
-            **{m: ci_dict(r.get(m)) for m in CI_KEYS},
-        }
-        for r in longctx.summarize(rows)
-    ]
-    by_offset = [
-        {
-            **{k: v for k, v in r.items() if k not in CI_KEYS},
-            **{m: ci_dict(r.get(m)) for m in CI_KEYS},
-        }
-        for r in longctx.summarize(rows, ("n_fragments", "strategy", "answer_passage"))
-    ]
-    by_kind = [
-        {
-            **{k: v for k, v in r.items() if k not in CI_KEYS},
-            **{m: ci_dict(r.get(m)) for m in CI_KEYS},
-        }
-        for r in longctx.summarize(rows, ("n_fragments", "strategy", "kind"))
-    ]
+    summary = longctx.json_ready(longctx.summarize(rows))
+    by_offset = longctx.json_ready(longctx.summarize(rows, ("n_fragments", "strategy", "answer_passage")))
+    by_kind = longctx.json_ready(longctx.summarize(rows, ("n_fragments", "strategy", "kind")))
     # The primary comparison, named before the run: naive against rerotate, paired within
     # caches, per count, pooled and per question kind.
     diffs, gap = {}, {}
     kinds = sorted({r["kind"] for r in rows})
     for k in sorted(t for t in timings if isinstance(t, int)):
         for m in ("kl", "span_kl", "nll", "agree", "em"):
-            diffs[f"{k} fragments: naive - rerotate {m}"] = ci_dict(
-                longctx.paired(rows, "naive", "rerotate", m, where={"n_fragments": k})
-            )
+            diffs[f"{k} fragments: naive - rerotate {m}"] = longctx.paired(
+                rows, "naive", "rerotate", m, where={"n_fragments": k}
+            ).as_dict()
             for kind in kinds if m in ("span_kl", "em") else ():
-                diffs[f"{k} fragments, {kind}: naive - rerotate {m}"] = ci_dict(
-                    longctx.paired(rows, "naive", "rerotate", m, where={"n_fragments": k, "kind": kind})
-                )
+                diffs[f"{k} fragments, {kind}: naive - rerotate {m}"] = longctx.paired(
+                    rows, "naive", "rerotate", m, where={"n_fragments": k, "kind": kind}
+                ).as_dict()
         recompute = next(s for s in dict.fromkeys(r["strategy"] for r in rows) if s.startswith("recompute"))
-        gap[f"{k} fragments: {recompute} closes of rerotate's span KL"] = ci_dict(
-            longctx.gap_closed(rows, recompute, "rerotate", "span_kl", where={"n_fragments": k})
-        )
+        gap[f"{k} fragments: {recompute} closes of rerotate's span KL"] = longctx.gap_closed(
+            rows, recompute, "rerotate", "span_kl", where={"n_fragments": k}
+        ).as_dict()
     per_set = [
         {
             **{k: v for k, v in r.items() if k not in CI_KEYS},

@@ -52,10 +52,6 @@ def strategies(ratios, policies, seed: int) -> dict:
     return out
 
 
-def as_dict(c):
-    return None if c is None else {"mean": c.mean, "lo": c.lo, "hi": c.hi, "n": c.n, "caches": c.n_clusters}
-
-
 def crossing(ratios, shares, target: float = TARGET) -> float:
     """The first ratio where the piecewise-linear curve through (0, 0), the points and (1, 1) reaches ``target``."""
     xs, ys = [0.0, *ratios, 1.0], [0.0, *shares, 1.0]
@@ -83,15 +79,12 @@ def r90(rows: list[dict], policy: str, ratios, seed: int) -> dict:
 
 
 def summarise(rows: list[dict], ratios, policies, seed: int) -> dict:
-    summary = [
-        {k: as_dict(v) if isinstance(v, kvlab.CI) else v for k, v in s.items()}
-        for s in longctx.summarize(rows, ("strategy",), seed=seed)
-    ]
+    summary = longctx.json_ready(longctx.summarize(rows, ("strategy",), seed=seed))
     shares, em = {}, {}
     for p in policies:
         for r in ratios:
-            shares[label(p, r)] = as_dict(longctx.gap_closed(rows, label(p, r), "rerotate", "span_kl", seed=seed))
-            em[label(p, r)] = as_dict(longctx.paired(rows, label(p, r), "rerotate", "em", seed=seed))
+            shares[label(p, r)] = longctx.gap_closed(rows, label(p, r), "rerotate", "span_kl", seed=seed).as_dict()
+            em[label(p, r)] = longctx.paired(rows, label(p, r), "rerotate", "em", seed=seed).as_dict()
     return {
         "summary": summary,
         "share_of_rerotate_span_kl_removed": shares,

@@ -31,10 +31,6 @@ from kvlab.findings import longctx
 from kvlab.findings.qa import ask, passage_fragments
 
 
-def ci_dict(c):
-    return None if c is None else {"mean": c.mean, "lo": c.lo, "hi": c.hi, "n": c.n, "caches": c.n_clusters}
-
-
 def markdown(paths: list[str]) -> str:
     """The README's table of each JSON this script wrote: per model and strategy, then the paired defect - kvlab."""
 
@@ -102,9 +98,9 @@ def main() -> None:
         )
     summary = longctx.summarize(rows, seed=args.seed)
     diffs = {
-        f"{k} fragments: {defect} - {causal} {m}": ci_dict(
-            longctx.paired(rows, defect, causal, m, where={"n_fragments": k}, seed=args.seed)
-        )
+        f"{k} fragments: {defect} - {causal} {m}": longctx.paired(
+            rows, defect, causal, m, where={"n_fragments": k}, seed=args.seed
+        ).as_dict()
         for k in args.counts
         for m in ("span_kl", "kl", "em")
     }
@@ -116,7 +112,7 @@ def main() -> None:
         "summary": [
             {
                 **{k: v for k, v in r.items() if not hasattr(v, "mean")},
-                **{m: ci_dict(v) for m, v in r.items() if hasattr(v, "mean")},
+                **{m: v.as_dict() for m, v in r.items() if isinstance(v, kvlab.CI)},
             }
             for r in summary
         ],

@@ -167,6 +167,11 @@ def run(
     return rows, timings
 
 
+def json_ready(rows: list[dict]) -> list[dict]:
+    """Summary rows (:func:`summarize`) with every interval as :meth:`kvlab.CI.as_dict`, for a result file."""
+    return [{k: v.as_dict() if isinstance(v, CI) else v for k, v in r.items()} for r in rows]
+
+
 def cache_of(row: dict) -> tuple:
     """The merged cache a row's question was read behind: one per (fragment count, generated set)."""
     return row["n_fragments"], row.get("set", 0)

@@ -54,6 +54,10 @@ class CI:
         """Whether ``value`` lies outside the interval (for a difference: a resolved one)."""
         return value < self.lo or value > self.hi
 
+    def as_dict(self) -> dict:
+        """The form kvlab's result files keep: ``mean``, ``lo``, ``hi``, ``n`` and ``caches``."""
+        return {"mean": self.mean, "lo": self.lo, "hi": self.hi, "n": self.n, "caches": self.n_clusters}
+
     def __format__(self, spec: str) -> str:
         spec = spec or ".3f"
         caches = "" if self.n_clusters is None else f", caches={self.n_clusters}"
