@@ -298,6 +298,7 @@ def engine_reads(eng: LlamaEngine, ids: list, probe_ids: list) -> tuple[list, li
         joined ids, behind :meth:`LlamaEngine.shift_merge` (decoded alone, K-shifted), and
         behind :meth:`LlamaEngine.phase_merge` (decoded alone at the landing positions).
     """
+    eng.check_can_shift()  # before the joined prefill: a cache that cannot be shifted is refused at once
     eng.prefill(torch.cat(ids))
     joined = [eng.read(p) for p in probe_ids]
     eng.shift_merge(ids)

@@ -203,6 +203,8 @@ class LlamaEngine:
         if not model:
             raise PeerError(f"llama.cpp could not load {path}: {_said()}")
         self._model = model
+        # The loader's warnings (e.g. Gemma's "control-looking token") are not a context's reason.
+        _LOG.clear()
         self.vocab = L.llama_model_get_vocab(model)
         self.n_vocab = int(L.llama_vocab_n_tokens(self.vocab))
         self.n_batch = int(n_batch)
@@ -404,17 +406,13 @@ class LlamaEngine:
         int
             Total tokens now in sequence 0.
         """
-        L = self._live()
+        self._live()
         if len(fragments) > self.n_seq_max:
             raise PeerError(
                 f"{len(fragments)} fragments need {len(fragments)} sequences; "
                 f"this engine was made with n_seq_max={self.n_seq_max}"
             )
-        if not L.llama_memory_can_shift(self._mem):
-            raise PeerError(
-                f"llama.cpp cannot shift the KV cache of {self.path.name} (K cache {self.type_k}, "
-                f"swa_full={self.swa_full}: llama_memory_can_shift is false)"
-            )
+        self.check_can_shift()
         self.clear()
         for i, ids in enumerate(fragments):
             self.decode(ids, i, 0)
@@ -463,6 +461,14 @@ class LlamaEngine:
 
     def can_shift(self) -> bool:
         return bool(self._live().llama_memory_can_shift(self._mem))
+
+    def check_can_shift(self) -> None:
+        """:class:`PeerError` naming the K cache type and layout when llama.cpp cannot shift this cache."""
+        if not self.can_shift():
+            raise PeerError(
+                f"llama.cpp cannot shift the KV cache of {self.path.name} (K cache {self.type_k}, "
+                f"swa_full={self.swa_full}: llama_memory_can_shift is false)"
+            )
 
     # ------------------------------------------------------------------ state files
     def save_state(self, path, tokens) -> Path:

@@ -220,6 +220,8 @@ GEMMA_PARAMS = {
     "06_llama_cpp": {
         "n_conversion_probes": 3,
         "probes": [" The ledger is now kept in the city of", " Maren was the keeper's"],
+        "kshift_tokens": 128,
+        "kshift_probes": 4,
     },
     # Two passages of 300 tokens: past the 512-token window, so the sliding layers drop tokens.
     "07_long_context": {

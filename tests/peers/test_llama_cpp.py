@@ -6,6 +6,7 @@ llama-cpp-python is missing; elsewhere they skip with the install command.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -212,3 +213,69 @@ def test_kvlab_peers_takes_a_gguf_path_like_check_does(monkeypatch, capsys):
     monkeypatch.setattr(compare, "peer_table", lambda m: f"{m.name} runs {compare.model_gguf(m)}")
     assert main(["peers", "--model", str(path)]) == 0
     assert capsys.readouterr().out.strip() == f"smollm2-135m runs {path}"
+
+
+# ----------------------------------------------------------------------------- quantised K cache
+
+
+@needs_llama
+def test_kv_types_are_llama_cpps_ggml_types():
+    L = glue.lib()
+    assert glue.KV_TYPES == {
+        "f32": L.GGML_TYPE_F32,
+        "f16": L.GGML_TYPE_F16,
+        "q8_0": L.GGML_TYPE_Q8_0,
+        "q4_0": L.GGML_TYPE_Q4_0,
+    }
+    assert set(glue.QUANTISED_KV_TYPES) <= set(glue.KV_TYPES)
+
+
+@needs_llama
+def test_kv_types_are_accepted_or_refused_by_name(engine):
+    with pytest.raises(kvlab.PeerError, match=r"type_k must be one of \['f16', 'f32', 'q4_0', 'q8_0'\], got 'q5_7'"):
+        peers.LlamaEngine(engine.path, type_k="q5_7")
+    with pytest.raises(kvlab.PeerError, match="kv_type must be one of .* got 'int8'"):
+        peers.LlamaEngine(engine.path, kv_type="int8")
+    for t in glue.QUANTISED_KV_TYPES:
+        with peers.LlamaEngine(engine.path, n_ctx=256, n_seq_max=1, type_k=t) as eng:
+            assert (eng.type_k, eng.type_v) == (t, "f16")
+        # llama.cpp's own refusal, with the types it was asked for.
+        with pytest.raises(
+            kvlab.PeerError,
+            match=rf"K cache {t}, V cache {t}, flash_attn=False\): .*quantized V cache requires flash_attn",
+        ):
+            peers.LlamaEngine(engine.path, n_ctx=256, kv_type=t, flash_attn=False)
+
+
+@needs_llama
+def test_a_shift_llama_cpp_cannot_do_names_the_k_cache_type():
+    if GEMMA_MISSING:
+        missing(GEMMA_REASON)
+    # The window-only layout refuses a shift only where it is smaller than the whole cache: at
+    # n_ctx=256 the sliding layers' cells (window x sequences + a batch) hold everything anyway.
+    path = peers.gguf_path("gemma3-270m")
+    with peers.LlamaEngine(path, n_ctx=256, n_seq_max=2, type_k="q4_0", swa_full=False) as eng:
+        assert eng.can_shift()
+    with peers.LlamaEngine(path, n_ctx=4096, n_seq_max=2, type_k="q4_0", swa_full=False) as eng:
+        with pytest.raises(kvlab.PeerError, match=r"cannot shift .* \(K cache q4_0, swa_full=False: .*can_shift"):
+            eng.shift_merge([[2, 100, 101], [102, 103]])
+
+
+@needs_llama
+def test_a_quantised_k_shift_costs_more_than_an_f16_one(smollm2):
+    cells = peers.quantised_shift_table(smollm2, lengths=(128,), n_probes=4)
+    by = {c.layout.label: c for c in cells}
+    f16, q8, q4 = by["K f16, V f16"], by["K q8_0, V f16"], by["K q4_0, V f16"]
+    assert all(c.n == 4 and c.tokens == 128 and not c.refused for c in (f16, q8, q4))
+    # The f16 baseline: no quantisation cost, and the K-shift error of the short pair above (the
+    # rounding of rotated f16 keys, amplified by the Q4_1 file's 8-bit activations; measured
+    # 1.1e-3 mean here, 3-4e-3 there), far below the missing context (measured 19x).
+    assert f16.quantisation.kl_max == 0.0
+    assert f16.k_shift.kl_max < 1e-2 and f16.shift_joined.kl_mean > 5 * f16.k_shift.kl_mean
+    # Requantising rotated keys to 4 bits costs more than rounding them to f16.
+    assert q4.k_shift.kl_mean > 3 * f16.k_shift.kl_mean and q4.quantisation.kl_mean > 0
+    assert q8.quantisation.kl_mean > 0
+    refused = [c for c in cells if c.refused]
+    assert [c.layout.type_v for c in refused] == list(glue.QUANTISED_KV_TYPES)
+    assert all(f"V cache {c.layout.type_v}" in c.refused and "flash_attn" in c.refused for c in refused)
+    assert json.loads(json.dumps([c.row() for c in cells], default=float))[0]["k_shift"]["kls"] == f16.k_shift.kls
