@@ -279,3 +279,18 @@ def test_a_quantised_k_shift_costs_more_than_an_f16_one(smollm2):
     assert [c.layout.type_v for c in refused] == list(glue.QUANTISED_KV_TYPES)
     assert all(f"V cache {c.layout.type_v}" in c.refused and "flash_attn" in c.refused for c in refused)
     assert json.loads(json.dumps([c.row() for c in cells], default=float))[0]["k_shift"]["kls"] == f16.k_shift.kls
+
+
+def test_kvlab_peers_quantised_adds_the_quantised_table(monkeypatch, capsys):
+    # Routing only (the table itself is measured above): --quantised passes --lengths through.
+    from kvlab.cli import main
+    from kvlab.peers import compare
+
+    monkeypatch.setattr(compare, "peer_table", lambda m: "side by side")
+    monkeypatch.setattr(compare, "quantised_shift_table", lambda m, lengths: [m.name, *lengths])
+    monkeypatch.setattr(compare, "format_quantised", lambda cells: f"cells {cells}")
+    assert main(["peers", "--quantised", "--lengths", "64", "128"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("side by side\n") and out.rstrip().endswith("cells ['smollm2-135m', 64, 128]")
+    assert main(["peers"]) == 0
+    assert "cells" not in capsys.readouterr().out
