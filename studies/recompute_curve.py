@@ -127,6 +127,38 @@ def tables(doc: dict) -> str:
     return "\n".join(out)
 
 
+def measure(
+    model: kvlab.LoadedModel,
+    *,
+    policies=POLICIES,
+    ratios=RATIOS,
+    count: int = 4,
+    tokens: int = 256,
+    sets: int = 12,
+    people: int = 1,
+    max_questions: int = 6,
+    greedy_tokens: int = 5,
+    seed: int = 0,
+    log=None,
+) -> tuple[list[dict], dict]:
+    """Read the questions behind every strategy; the rows and the summary document (without wall time)."""
+    rows, _ = longctx.run(
+        model,
+        [count],
+        tokens,
+        seed=seed,
+        people_per_passage=people,
+        max_questions=max_questions,
+        greedy_tokens=greedy_tokens,
+        sets=sets,
+        strategies=strategies(ratios, policies, seed),
+        log=log,
+    )
+    args = dict(count=count, tokens=tokens, ratios=list(ratios), policies=list(policies), sets=sets, people=people)
+    args.update(max_questions=max_questions, greedy_tokens=greedy_tokens, seed=seed)
+    return rows, {"model": model.name, "args": args, **summarise(rows, ratios, policies, seed)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -148,29 +180,25 @@ def main() -> None:
         return
     started = time.perf_counter()
     model = kvlab.load_model(args.model)
-    rows, timings = longctx.run(
+    rows, doc = measure(
         model,
-        [args.count],
-        args.tokens,
-        seed=args.seed,
-        people_per_passage=args.people,
+        policies=args.policies,
+        ratios=args.ratios,
+        count=args.count,
+        tokens=args.tokens,
+        sets=args.sets,
+        people=args.people,
         max_questions=args.max_questions,
         greedy_tokens=args.greedy_tokens,
-        sets=args.sets,
-        strategies=strategies(args.ratios, args.policies, args.seed),
+        seed=args.seed,
         log=lambda m: print(m, flush=True),
     )
     with atomic_path(path.with_suffix(".csv")) as tmp, open(tmp, "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    doc = {
-        "model": model.name,
-        "command": " ".join(["studies/recompute_curve.py"] + sys.argv[1:]),
-        "args": vars(args),
-        "wall_s": time.perf_counter() - started,
-        **summarise(rows, args.ratios, args.policies, args.seed),
-    }
+    doc = {**doc, "command": " ".join(["studies/recompute_curve.py"] + sys.argv[1:])}
+    doc["wall_s"] = time.perf_counter() - started
     atomic_write_text(path, json.dumps(doc, indent=1, default=float))
     print(tables(doc))
     print(f"done in {doc['wall_s']:.0f} s -> {path}")
