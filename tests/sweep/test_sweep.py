@@ -294,4 +294,5 @@ def test_unknown_notebook_names_the_suite(tmp_path):
 )
 def test_shipped_studies_check_against_their_notebooks(path):
     study = load_study(path)
-    assert len(study.points) >= 2 and study.notebook.parent.name == "notebooks" and study.axes
+    # A suite notebook, or a study's own notebook beside its TOML (it imports the study's script).
+    assert len(study.points) >= 2 and study.notebook.parent.name in ("notebooks", "studies") and study.axes
