@@ -296,3 +296,19 @@ def test_shipped_studies_check_against_their_notebooks(path):
     study = load_study(path)
     # A suite notebook, or a study's own notebook beside its TOML (it imports the study's script).
     assert len(study.points) >= 2 and study.notebook.parent.name in ("notebooks", "studies") and study.axes
+
+
+def test_a_study_notebook_beside_its_toml_runs_its_script(tmp_path):
+    # studies/recompute_curve.ipynb imports studies/recompute_curve.py from its own folder; one small point.
+    nb = Path(__file__).resolve().parents[2] / "studies" / "recompute_curve.ipynb"
+    path = tmp_path / "curve.toml"
+    path.write_text(
+        f'notebook = "{nb}"\noutput = "{tmp_path / "out"}"\n[parameters]\nratios = [0.1, 0.5]\ntokens = 64\nsets = 2\n'
+        '[grid]\nmodel_name = ["tiny-llama"]\npolicy = ["deviation"]\n'
+    )
+    result = run_study(load_study(path), workers=1, progress=False)
+    assert not result.failed, result.failed
+    rows = read_csv(tmp_path / "out" / "results.csv")
+    got = {(r["policy"], r["metric"]): float(r["value"]) for r in rows}
+    assert 0 < got["deviation", "removed_r0.1"] < got["deviation", "removed_r0.5"] <= 1
+    assert 0.1 < got["deviation", "r90"] <= 1
