@@ -398,7 +398,8 @@ class MergeExplorer:
         pngs = {}
         for name, fig in self.figures.items():
             buf = io.BytesIO()
-            fig.savefig(buf, format="png", bbox_inches="tight")
+            # constrained_layout already fits the figure; "tight" would draw it twice (a third of a redraw).
+            fig.savefig(buf, format="png")
             pngs[name] = buf.getvalue()
         for name, png in pngs.items():
             self.images[name].value = png

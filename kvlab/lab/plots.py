@@ -147,7 +147,9 @@ def kv_heatmaps(
             ax.set_title(f"{label}: |{which.upper()} - {reference}|")
     for ax in axes[-1]:
         ax.set_xlabel("position in merged cache (tokens)")
-    bar = fig.colorbar(im, ax=axes, label=f"max |ΔK|, |ΔV| over head_dim (activation units); floor {vmin:g} includes 0")
+    bar = fig.colorbar(
+        im, ax=axes, label=f"max |ΔK|, |ΔV| over head_dim\n(activation units; floor {vmin:g} includes 0)"
+    )
     bar.ax.axhline(vmin, color="c", lw=2)
     fig.suptitle(f"{model_name}: {', '.join(rows)} vs {reference} (one colour scale)")
     return fig
