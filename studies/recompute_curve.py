@@ -17,6 +17,7 @@ reported beside it.
 
     .venv/bin/python studies/recompute_curve.py --model smollm2-135m --sets 12
     .venv/bin/python studies/recompute_curve.py --model smollm2-135m --table
+    .venv/bin/python studies/recompute_curve.py --sweep-table results/recompute_curve   # after kvlab sweep
 """
 
 from __future__ import annotations
@@ -159,6 +160,39 @@ def measure(
     return rows, {"model": model.name, "args": args, **summarise(rows, ratios, policies, seed)}
 
 
+def sweep_table(folder: Path) -> str:
+    """The markdown tables of a ``kvlab sweep studies/recompute_curve.toml`` output folder (its points' records)."""
+    points = [json.loads(p.read_text()) for p in sorted(folder.glob("points/*/record.json"))]
+    out = []
+    for model in dict.fromkeys(p["parameters"]["model_name"] for p in points):
+        mine = [p for p in points if p["parameters"]["model_name"] == model and p["status"] == "ok"]
+        ratios = mine[0]["parameters"]["ratios"]
+        rec = lambda p, name: next(r for r in p["records"] if r["name"] == name)  # noqa: E731
+        f = lambda r, fmt=".2f": f"{r['value']:{fmt}} [{r['ci_low']:{fmt}}, {r['ci_high']:{fmt}}]"  # noqa: E731
+        rot = rec(mine[0], "rerotate_span_kl")
+        out += [
+            f"{model}: share of rerotate's answer-span KL removed ({rot['n']} questions over "
+            f"{rot['extra']['caches']} caches; rerotate's answer-span KL {f(rot, '.3f')} nats/token)",
+            "",
+            "| policy | " + " | ".join(f"r = {r:g}" for r in ratios) + " | r90 | wall |",
+            "|" + "---|" * (len(ratios) + 3),
+        ]
+        for p in mine:
+            cells = [f(rec(p, f"removed_r{r:g}")) for r in ratios]
+            out.append(
+                f"| {p['parameters']['policy']} | "
+                + " | ".join(cells)
+                + f" | {f(rec(p, 'r90'))} | {p['wall_s'] / 60:.1f} min |"
+            )
+        out += ["", "Exact match, recompute - rerotate (paired):", ""]
+        out += ["| policy | " + " | ".join(f"r = {r:g}" for r in ratios) + " |", "|" + "---|" * (len(ratios) + 1)]
+        for p in mine:
+            cells = [f(rec(p, f"em_minus_rerotate_r{r:g}"), "+.3f") for r in ratios]
+            out.append(f"| {p['parameters']['policy']} | " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -173,7 +207,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="results")
     ap.add_argument("--table", action="store_true", help="print the tables of --out's JSON and stop")
+    ap.add_argument("--sweep-table", metavar="DIR", help="print the tables of a kvlab sweep output folder and stop")
     args = ap.parse_args()
+    if args.sweep_table:
+        print(sweep_table(Path(args.sweep_table)))
+        return
     path = Path(args.out) / f"recompute_curve_{args.model}.json"
     if args.table:
         print(tables(json.loads(path.read_text())))
