@@ -52,8 +52,10 @@ prepare-all: setup gemma
 # (a container) Jupyter refuses to start without --allow-root; it is added there only.
 # LAB_ARGS passes more options (tests/lab/test_lab.py: --no-browser --ServerApp.port=0).
 LAB := $(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS) notebooks/
+# One interactive kernel has the cores to itself, and a click waits on many small forwards whose
+# threads wake faster spinning: the explorer redraws in 0.75 s instead of 1.0 s (benchmarks/README.md).
 lab: prepare
-	$(LAB)
+	env -u OMP_WAIT_POLICY $(LAB)
 
 # llama.cpp beside kvlab (kvlab.peers, notebook 06). PyPI has only the source of
 # llama-cpp-python, so pip compiles llama.cpp here (about 8 CPU-minutes: 4-5 minutes on two
