@@ -197,10 +197,10 @@ def certify(model: LoadedModel, *, lengths: tuple[int, ...] = LENGTHS, seed: int
     t0 = time.perf_counter()
     ids = _TokenSource(model, seed)
     lines = _rotation(model) + _rerotate_phase(model, ids, lengths)
-    exact_case = _identity_fragments(model, ids)
-    lines += _sliding(model, exact_case) + _recompute_identities(model, exact_case)
+    exact = _Exact.of(model, _identity_fragments(model, ids))
+    lines += _sliding(model, exact) + _recompute_identities(model, exact)
     story = Case.from_texts(model)
-    lines += _refusals(model, ids) + _file_round_trip(model, exact_case) + _floor(model, story) + _context(model, story)
+    lines += _refusals(model, ids) + _file_round_trip(model, exact) + _floor(model, story) + _context(model, story)
     return Certificate(model.name, lines, fingerprint(model), time.perf_counter() - t0)
 
 
@@ -380,14 +380,38 @@ def _identity_fragments(model: LoadedModel, ids: _TokenSource) -> list[Fragment]
     return _fragments(model, ids, [n, n])
 
 
-def _sliding(model: LoadedModel, frags: list[Fragment]) -> list[Line]:
+@dataclass
+class _Exact:
+    """The fragments of the exact identities, their joined prefill and their rerotate merge, each made once.
+
+    ``rotated`` is ``None`` and ``refusal`` says why where the model's rotations do not compose.
+    """
+
+    frags: list[Fragment]
+    joined: DynamicCache
+    rotated: DynamicCache | None
+    refusal: str | None
+
+    @classmethod
+    def of(cls, model: LoadedModel, frags: list[Fragment]) -> _Exact:
+        joined = joined_prefill(model, frags).cache
+        try:
+            return cls(frags, joined, merge(frags, "rerotate", model), None)
+        except UnsupportedRopeError as e:
+            return cls(frags, joined, None, str(e))
+
+
+def _sliding(model: LoadedModel, exact: _Exact) -> list[Line]:
     """Past the window, every layer of a merge keeps what a joined prefill keeps."""
     window = _window(model)
+    frags, joined, merged = exact.frags, exact.joined, exact.rotated
     total = sum(f.length for f in frags)
     if window is None:
         return [Line("sliding window", "no sliding layers", None, None, "", NA)]
-    joined = joined_prefill(model, frags).cache
-    merged = merge(frags, "rerotate", model)
+    if merged is None:
+        return [
+            Line("sliding window", f"2 x {frags[0].length} tokens", None, 0, "layers wrong", REFUSED, exact.refusal)
+        ]
     wrong = [
         li
         for li, (a, b) in enumerate(zip(merged.layers, joined.layers, strict=True))
@@ -429,20 +453,19 @@ def _rel_error(a: DynamicCache, b: DynamicCache) -> float:
     return worst
 
 
-def _recompute_identities(model: LoadedModel, frags: list[Fragment]) -> list[Line]:
+def _recompute_identities(model: LoadedModel, exact: _Exact) -> list[Line]:
     """Recompute at ratio 0 is rerotate bit for bit (every policy); at ratio 1 the joined prefill."""
+    frags, rot = exact.frags, exact.rotated
     scope = f"2 x {frags[0].length} tokens"
-    try:
-        rot = merge(frags, "rerotate", model)
-    except UnsupportedRopeError as e:
-        return [Line("recompute r=0", scope, None, 0, "elements", REFUSED, str(e))]
+    if rot is None:
+        return [Line("recompute r=0", scope, None, 0, "elements", REFUSED, exact.refusal)]
     lines = []
     for policy in POLICIES:
         n = _unequal(merge(frags, "recompute", model, ratio=0.0, policy=policy), rot)
         lines.append(
             Line("recompute r=0", f"{policy}, {scope}, against rerotate", n, 0, "elements", PASS if n == 0 else FAIL)
         )
-    err = _rel_error(merge(frags, "recompute", model, ratio=1.0), joined_prefill(model, frags).cache)
+    err = _rel_error(merge(frags, "recompute", model, ratio=1.0), exact.joined)
     lines.append(
         Line(
             "recompute r=1",
@@ -509,12 +532,9 @@ def _refusals(model: LoadedModel, ids: _TokenSource) -> list[Line]:
     ]
 
 
-def _file_round_trip(model: LoadedModel, frags: list[Fragment]) -> list[Line]:
+def _file_round_trip(model: LoadedModel, exact: _Exact) -> list[Line]:
     """A merged cache saved and loaded is bit for bit the same; a reader with other weights is refused."""
-    try:
-        merged = merge(frags, "rerotate", model)
-    except UnsupportedRopeError:
-        merged = merge(frags, "reprefill", model)
+    merged = exact.joined if exact.rotated is None else exact.rotated
     scope = f"{merged.get_seq_length()} tokens"
     with tempfile.TemporaryDirectory(prefix="kvlab-certify-") as tmp:
         path = save_cache(Path(tmp) / "merged.kvcache", merged, model)
