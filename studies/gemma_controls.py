@@ -1,150 +1,186 @@
 """Gemma 3 controls (issue 24, part 2): does a naive merge collapse inside the sliding window too,
-and which layer type carries the collapse?
+which layer type carries the collapse, and which carries rerotate's remaining context gap?
 
 Every Gemma 3 cell of the long-context study was already past the 512-token window of its
 sliding layers, and its two layer types turn keys with two rope bases (10k sliding, 1M full).
 This study reads the long-context questions behind two fragments, inside the window
 (2 x 200 and 2 x 250 tokens: about 400 and 495 < 512) and past it (2 x 270: about 535, nearly
-the offset of 2 x 250; and 2 x 512), for naive, rerotate, rerotate on the sliding
-layers only (naive on the full ones), rerotate on the full layers only, and reprefill (the
-reference).
+the offset of 2 x 250; and 2 x 512), one length per point of ``kvlab sweep
+studies/gemma_controls.toml``, behind:
 
-Named before the run, paired within caches, 95% cluster bootstrap over caches:
+* ``naive`` and ``rerotate``;
+* ``rerotate sliding only`` / ``rerotate full only`` (``kvlab.cache.repro.RerotateOnly``):
+  rerotate on one layer type, naive on the other;
+* ``exact sliding only`` / ``exact full only`` (``kvlab.cache.repro.ExactOnly``): the joined
+  prefill's K/V on one layer type, rerotate's on the other;
 
-1. naive - rerotate, answer-span KL and exact match, at each length (is there a collapse inside
-   the window?), and the straddle: 2 x 250 against 2 x 270, whose offsets differ by 8% while
-   only the second passes the window;
-2. at each length, the share of naive's excess answer-span KL over rerotate that rerotating
-   only one layer type removes (``kvlab.gap_closed_ci`` of (only - rerotate) against
-   (naive - rerotate)), and each ablation's exact match against rerotate's.
+and the joined prefill of the same tokens (the reference: KL 0; its exact match is the ceiling).
 
-    .venv/bin/python studies/gemma_controls.py --sets 20      # results/gemma_controls_gemma3-270m.{csv,json}
-    .venv/bin/python studies/gemma_controls.py --table            # the tables of the committed run
+Named before the run, at each length, paired within caches, 95% cluster bootstrap over caches:
+
+1. naive - rerotate, answer-span KL, first-token KL and exact match (a collapse inside the
+   window?); the straddle is 2 x 250 against 2 x 270, whose offsets differ by 8% while only the
+   second passes the window (separate caches: two intervals side by side, not a paired test);
+2. the share of naive's excess answer-span KL over rerotate that rerotating only one layer type
+   removes (``kvlab.gap_closed_ci`` of (only - rerotate) against (naive - rerotate));
+3. the share of rerotate's own answer-span KL (its context gap) that the joined prefill's K/V on
+   one layer type removes (``kvlab.gap_closed_ci`` of exact-only against rerotate).
+
+    .venv/bin/kvlab sweep studies/gemma_controls.toml --workers 2     # results/gemma_controls/
+    .venv/bin/python studies/gemma_controls.py --sweep-table results/gemma_controls
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
-import sys
-import time
 from pathlib import Path
 
 import kvlab
-from kvlab.atomic import atomic_path, atomic_write_text
-from kvlab.cache.repro import RerotateOnly
+from kvlab.cache.repro import ExactOnly, RerotateOnly
 from kvlab.findings import longctx
 
-STRATEGIES = {
-    "naive": kvlab.Naive(),
-    "rerotate": kvlab.Rerotate(),
-    "rerotate sliding only": RerotateOnly("sliding_attention"),
-    "rerotate full only": RerotateOnly("full_attention"),
-    "reprefill": kvlab.Reprefill(),
-}
-ONLY = ("rerotate sliding only", "rerotate full only")
+RER_ONLY = ("rerotate sliding only", "rerotate full only")
+EXACT_ONLY = ("exact sliding only", "exact full only")
 
 
-def excess(rows: list[dict], a: str, tokens: int) -> tuple[list, list, list]:
-    """Per question of one length: (a - rerotate, naive - rerotate) answer-span KL and the cache labels."""
-    where = {"fragment_tokens": tokens}
-    x, r, caches = longctx.pairs(rows, a, "rerotate", "span_kl", where)
-    y, r2, caches2 = longctx.pairs(rows, "naive", "rerotate", "span_kl", where)
-    assert caches == caches2 and list(r) == list(r2)
+def strategies() -> dict:
+    return {
+        "naive": kvlab.Naive(),
+        "rerotate": kvlab.Rerotate(),
+        RER_ONLY[0]: RerotateOnly("sliding_attention"),
+        RER_ONLY[1]: RerotateOnly("full_attention"),
+        EXACT_ONLY[0]: ExactOnly("sliding_attention"),
+        EXACT_ONLY[1]: ExactOnly("full_attention"),
+    }
+
+
+def excess(rows: list[dict], a: str) -> tuple[list, list, list]:
+    """Per question: (a - rerotate, naive - rerotate) answer-span KL and the cache labels."""
+    x, r, caches = longctx.pairs(rows, a, "rerotate", "span_kl", None)
+    y, r2, caches2 = longctx.pairs(rows, "naive", "rerotate", "span_kl", None)
+    if caches != caches2 or list(r) != list(r2):
+        raise kvlab.KvlabError(f"{a!r} and naive were not read over the same questions")
     return [a_ - b for a_, b in zip(x, r)], [n - b for n, b in zip(y, r)], caches
 
 
-def summarise(rows: list[dict], lengths: list[int], seed: int) -> dict:
-    summary = longctx.json_ready(longctx.summarize(rows, ("fragment_tokens", "strategy"), seed=seed))
-    diffs, shares = {}, {}
-    for t in lengths:
-        where = {"fragment_tokens": t}
-        for m in ("span_kl", "em", "kl"):
-            diffs[f"2 x {t}: naive - rerotate {m}"] = longctx.paired(
-                rows, "naive", "rerotate", m, where=where
-            ).as_dict()
-            for a in ONLY:
-                diffs[f"2 x {t}: {a} - rerotate {m}"] = longctx.paired(rows, a, "rerotate", m, where=where).as_dict()
-        for a in ONLY:
-            x, y, caches = excess(rows, a, t)
-            shares[f"2 x {t}: {a} removes of naive's excess span KL"] = kvlab.gap_closed_ci(
-                x, y, clusters=caches, seed=seed
-            ).as_dict()
-    return {"summary": summary, "paired_differences": diffs, "share_of_naive_excess_removed": shares}
+def summarise(rows: list[dict], seed: int = 0) -> dict:
+    """Per strategy, the paired differences and the shares named in the module docstring (one length)."""
+    summary = longctx.json_ready(longctx.summarize(rows, ("strategy",), seed=seed))
+    diffs = {}
+    for a in ("naive", *RER_ONLY, *EXACT_ONLY):
+        for m in ("span_kl", "kl", "em"):
+            diffs[f"{a} - rerotate {m}"] = longctx.paired(rows, a, "rerotate", m, seed=seed).as_dict()
+    shares = {}
+    for a in (*RER_ONLY, *EXACT_ONLY):
+        if a in RER_ONLY:
+            key, (x, y, caches) = f"{a}: of naive's excess", excess(rows, a)
+        else:
+            key, (x, y, caches) = f"{a}: of rerotate's gap", longctx.pairs(rows, a, "rerotate", "span_kl", None)
+        if sum(y) > 0:
+            shares[key] = kvlab.gap_closed_ci(x, y, clusters=caches, seed=seed).as_dict()
+        else:  # no error to remove: a share of it is undefined, not 0
+            shares[key] = {"mean": float("nan"), "lo": float("nan"), "hi": float("nan"), "n": len(x)}
+            shares[key]["caches"] = len(set(caches))
+    return {"summary": summary, "paired_differences": diffs, "shares": shares}
+
+
+def measure(model, tokens: int, *, sets=20, people=1, max_questions=12, greedy_tokens=5, seed=0, log=None):
+    """Two fragments of at most ``tokens`` tokens, ``sets`` caches: the rows and the summary document."""
+    rows, timings = longctx.run(
+        model,
+        [2],
+        tokens,
+        seed=seed,
+        people_per_passage=people,
+        max_questions=max_questions,
+        greedy_tokens=greedy_tokens,
+        sets=sets,
+        strategies=strategies(),
+        log=log,
+    )
+    totals = [r["total_tokens"] for r in rows]
+    args = dict(tokens=tokens, sets=sets, people=people, max_questions=max_questions, greedy_tokens=greedy_tokens)
+    doc = {"model": model.name, "args": {**args, "seed": seed}, "total_tokens": [min(totals), max(totals)]}
+    return rows, {**doc, **summarise(rows, seed)}
+
+
+def records(doc: dict) -> list[tuple[str, float, dict]]:
+    """``(name, value, keywords)`` for :func:`kvlab.record`: every strategy's answer-span KL and exact match,
+    every paired difference and every share, each with its interval, n and caches."""
+    out = []
+
+    def put(name, c, unit=""):
+        out.append((name, c["mean"], dict(unit=unit, ci=(c["lo"], c["hi"]), n=c["n"], caches=c["caches"])))
+
+    for s in doc["summary"]:
+        slug = s["strategy"].replace(" ", "_")
+        put(f"{slug}_span_kl", s["span_kl"], "nats/token")
+        put(f"{slug}_em", s["em"])
+        if s["strategy"] == "naive":
+            put("ceiling_em", s["ref_em"])
+    for k, c in doc["paired_differences"].items():
+        put(k.replace(" - ", "_minus_").replace(" ", "_"), c, "" if k.endswith("em") else "nats/token")
+    for k, c in doc["shares"].items():
+        put(
+            "share_" + k.split(":")[0].replace(" ", "_") + ("_of_naive_excess" if "naive" in k else "_of_rerotate_gap"),
+            c,
+        )
+    return out
 
 
 def tables(doc: dict) -> str:
     f = lambda c, p=3: f"{c['mean']:.{p}f} [{c['lo']:.{p}f}, {c['hi']:.{p}f}]"  # noqa: E731
     g = lambda c: f"{c['mean']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}]"  # noqa: E731
+    lo, hi = doc["total_tokens"]
     out = [
-        "| 2 x tokens | strategy | n q / caches | answer-span KL | first-token KL | exact match |",
+        f"{doc['model']}, 2 x <={doc['args']['tokens']} tokens (merged totals {lo}-{hi}):",
+        "",
+        "| strategy | n q / caches | answer-span KL | first-token KL | exact match | ceiling |",
         "|---|---|---|---|---|---|",
     ]
     for s in doc["summary"]:
         out.append(
-            f"| {s['fragment_tokens']} | {s['strategy']} | {s['n']} / {s['n_caches']} | {f(s['span_kl'])} | "
-            f"{f(s['kl'])} | {f(s['em'], 2)} |"
+            f"| {s['strategy']} | {s['n']} / {s['n_caches']} | {f(s['span_kl'])} | {f(s['kl'])} | "
+            f"{f(s['em'], 2)} | {f(s['ref_em'], 2)} |"
         )
     out += ["", "| paired comparison | difference [95% CI] |", "|---|---|"]
-    out += [f"| {k} | {g(v)} |" for k, v in doc["paired_differences"].items() if "first" not in k]
-    out += ["", "| share of naive's excess answer-span KL over rerotate removed | [95% CI] |", "|---|---|"]
-    out += [f"| {k} | {f(v, 2)} |" for k, v in doc["share_of_naive_excess_removed"].items()]
+    out += [f"| {k} | {g(v)} |" for k, v in doc["paired_differences"].items()]
+    out += ["", "| share removed | [95% CI] |", "|---|---|"]
+    out += [f"| {k} | {f(v, 2)} |" for k, v in doc["shares"].items()]
+    return "\n".join(out)
+
+
+def sweep_table(folder: Path) -> str:
+    """One row per length from a ``kvlab sweep studies/gemma_controls.toml`` output folder (its points' records)."""
+    points = [json.loads(p.read_text()) for p in sorted(folder.glob("points/*/record.json"))]
+    points = sorted((p for p in points if p["status"] == "ok"), key=lambda p: p["parameters"]["tokens"])
+    f = lambda r, fmt=".2f": f"{r['value']:{fmt}} [{r['ci_low']:{fmt}}, {r['ci_high']:{fmt}}]"  # noqa: E731
+    out = [
+        "| 2 x tokens | n q / caches | naive - rerotate span KL | naive - rerotate exact match | "
+        "naive's excess removed: rerotate sliding only | full only | rerotate's gap removed: exact sliding only | "
+        "full only | rerotate span KL | wall |",
+        "|" + "---|" * 10,
+    ]
+    for p in points:
+        rec = {r["name"]: r for r in p["records"]}
+        d = rec["naive_minus_rerotate_span_kl"]
+        out.append(
+            f"| {p['parameters']['tokens']} | {d['n']} / {d['extra']['caches']} | {f(d, '+.3f')} | "
+            f"{f(rec['naive_minus_rerotate_em'], '+.3f')} | {f(rec['share_rerotate_sliding_only_of_naive_excess'])} | "
+            f"{f(rec['share_rerotate_full_only_of_naive_excess'])} | {f(rec['share_exact_sliding_only_of_rerotate_gap'])} | "
+            f"{f(rec['share_exact_full_only_of_rerotate_gap'])} | {f(rec['rerotate_span_kl'], '.3f')} | "
+            f"{p['wall_s'] / 60:.1f} min |"
+        )
     return "\n".join(out)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="gemma3-270m")
     ap.add_argument(
-        "--lengths", type=int, nargs="+", default=[200, 250, 270, 512], help="tokens per fragment (two fragments)"
+        "--sweep-table", metavar="DIR", required=True, help="print the table of a kvlab sweep output folder"
     )
-    ap.add_argument("--sets", type=int, default=20, help="independent generated sets (caches) per length")
-    ap.add_argument("--people", type=int, default=1)
-    ap.add_argument("--max-questions", type=int, default=12)
-    ap.add_argument("--greedy-tokens", type=int, default=5)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="results")
-    ap.add_argument("--table", action="store_true", help="print the tables of --out's JSON and stop")
-    args = ap.parse_args()
-    out = Path(args.out)
-    path = out / f"gemma_controls_{args.model}.json"
-    if args.table:
-        print(tables(json.loads(path.read_text())))
-        return
-    started = time.perf_counter()
-    model = kvlab.load_model(args.model)
-    rows, timings = [], {}
-    for t in args.lengths:
-        r, tm = longctx.run(
-            model,
-            [2],
-            t,
-            seed=args.seed,
-            people_per_passage=args.people,
-            max_questions=args.max_questions,
-            greedy_tokens=args.greedy_tokens,
-            sets=args.sets,
-            strategies=STRATEGIES,
-            log=lambda m: print(m, flush=True),
-        )
-        rows += r
-        timings[t] = tm[2]
-    with atomic_path(out / f"gemma_controls_{args.model}.csv") as tmp, open(tmp, "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    doc = {
-        "model": model.name,
-        "command": " ".join(["studies/gemma_controls.py"] + sys.argv[1:]),
-        "args": vars(args),
-        "wall_s_per_length": timings,
-        "wall_s_total": time.perf_counter() - started,
-        **summarise(rows, args.lengths, args.seed),
-    }
-    atomic_write_text(path, json.dumps(doc, indent=1, default=float))
-    print(tables(doc))
-    print(f"done in {doc['wall_s_total']:.0f} s -> {path}")
+    print(sweep_table(Path(ap.parse_args().sweep_table)))
 
 
 if __name__ == "__main__":

@@ -13,11 +13,11 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from kvlab.cache.fragments import Fragment, clone_cache
+from kvlab.cache.fragments import Fragment, clone_cache, joined_prefill
 from kvlab.cache.recompute.decoder import Decoder
 from kvlab.cache.recompute.inputs import attention_mask
 from kvlab.cache.recompute.strategy import Recompute
-from kvlab.cache.strategies import KeyRotator, Strategy, concat_layers
+from kvlab.cache.strategies import KeyRotator, Rerotate, Strategy, concat_layers
 from kvlab.errors import MergeError
 from kvlab.models.rope import layer_ropes
 
@@ -144,9 +144,7 @@ class RerotateOnly(Strategy):
     name: ClassVar[str] = "rerotate-only"
 
     def __call__(self, fragments, landings, model):
-        types = [r.layer_type for r in layer_ropes(model.model)]
-        if self.layer_type not in types:
-            raise MergeError(f"{model.name} has no {self.layer_type!r} layers (it has {sorted(set(types))})")
+        types = _layer_types(model, self.layer_type)
         rotate = KeyRotator(model, fragments, landings)
 
         def write(k, li, f, land, out):
@@ -156,3 +154,39 @@ class RerotateOnly(Strategy):
                 out.copy_(k)
 
         return concat_layers(fragments, landings, write)
+
+
+def _layer_types(model, layer_type: str) -> list[str]:
+    types = [r.layer_type for r in layer_ropes(model.model)]
+    if layer_type not in types:
+        raise MergeError(f"{model.name} has no {layer_type!r} layers (it has {sorted(set(types))})")
+    return types
+
+
+@dataclass
+class ExactOnly(Strategy):
+    """ABLATION: the joined prefill's keys and values on the layers of one type, ``rerotate``'s on every other layer.
+
+    Rerotate's phase is exact; what it still misses is context: its fragments never attended
+    to each other. Giving one layer type the K/V that did see the whole context shows how much
+    of that gap lives in those layers' caches. Not registered as a strategy.
+
+    Parameters
+    ----------
+    layer_type : str
+        ``sliding_attention`` or ``full_attention``. The swapped layers keep what the joined
+        prefill keeps (a sliding layer: its last ``window - 1`` tokens), as a merge does.
+    """
+
+    layer_type: str = "sliding_attention"
+    needs_model: ClassVar[bool] = True
+    name: ClassVar[str] = "exact-only"
+
+    def __call__(self, fragments, landings, model):
+        types = _layer_types(model, self.layer_type)
+        cache = Rerotate()(fragments, landings, model)
+        joined = joined_prefill(model, fragments).cache
+        for li, t in enumerate(types):
+            if t == self.layer_type:
+                cache.layers[li] = joined.layers[li]
+        return cache

@@ -195,3 +195,25 @@ def test_rerotate_only_one_layer_type_is_rerotate_there_and_naive_elsewhere(laye
         assert part.layers[li].get_seq_length() == rot.layers[li].get_seq_length()
     with pytest.raises(kvlab.MergeError, match="no 'sliding_attention' layers"):
         kvlab.merge([kvlab.prefill(tiny("tiny-qwen2"), t) for t in TEXTS], RerotateOnly(), tiny("tiny-qwen2"))
+
+
+@pytest.mark.parametrize("layer_type", ["sliding_attention", "full_attention"])
+def test_exact_only_one_layer_type_is_the_joined_prefill_there_and_rerotate_elsewhere(layer_type):
+    from kvlab.cache.repro import ExactOnly
+
+    m = tiny("tiny-gemma3")
+    frags = [kvlab.prefill(m, t) for t in TEXTS]
+    before = [f.cache.layers[0].keys.clone() for f in frags]
+    part = kvlab.merge(frags, ExactOnly(layer_type), m)
+    rot, joined = kvlab.merge(frags, "rerotate", m), kvlab.merge(frags, "reprefill", m)
+    types = [r.layer_type for r in layer_ropes(m.model)]
+    assert {layer_type} < set(types)
+    for li, t in enumerate(types):
+        want = joined if t == layer_type else rot
+        assert torch.equal(part.layers[li].keys, want.layers[li].keys), li
+        assert torch.equal(part.layers[li].values, want.layers[li].values), li
+    # The context gap is real on this model: swapping layers changes the cache.
+    assert not all(torch.equal(rot.layers[li].values, part.layers[li].values) for li in range(len(types)))
+    assert all(torch.equal(f.cache.layers[0].keys, b) for f, b in zip(frags, before))
+    with pytest.raises(kvlab.MergeError, match="no 'sliding_attention' layers"):
+        kvlab.merge([kvlab.prefill(tiny("tiny-qwen2"), t) for t in TEXTS], ExactOnly(), tiny("tiny-qwen2"))
