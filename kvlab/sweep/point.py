@@ -20,10 +20,15 @@ import json
 import os
 import threading
 import time
+import warnings
 from pathlib import Path
 
 from kvlab.atomic import atomic_path, atomic_write_text
 from kvlab.lab.provenance import model_digest, versions
+
+# papermill warns of an output name without ".ipynb": a point's notebook is written under kvlab's
+# temporary name (".notebook.ipynb.<pid>.<hex>.tmp") and renamed once complete.
+warnings.filterwarnings("ignore", r"The specified file \(.*\.tmp\) does not end in one of", UserWarning)
 
 RECORD_FORMAT = "kvlab-sweep-point-v1"
 

@@ -129,13 +129,14 @@ def test_resume_skips_what_is_done_and_force_or_new_code_reruns(grid, capsys):
     assert "4 points (0 to run, 4 done)" in out and out.count("  done  ") == 4
 
 
-def test_failures_and_lost_workers_are_recorded_and_the_rest_finish(tmp_path, capsys):
+def test_failures_and_lost_workers_are_recorded_and_the_rest_finish(tmp_path, capfd):
     path = write_study(
         tmp_path, "[zip]\noffset = [4, 5, 7]\nfail = [false, true, false]\nkill_worker = [false, false, true]\n"
     )
     assert cli(["sweep", str(path), "--workers", "2"]) == 1
-    err = capsys.readouterr().err
+    err = capfd.readouterr().err  # the workers' stderr too
     assert "RuntimeError: failing on purpose at offset 5" in err and "worker lost" in err
+    assert "does not end in one of" not in err, "papermill's warning about the temporary notebook name is shown"
     rows = {r["offset"]: r for r in read_csv(tmp_path / "out" / "results.csv") if r["metric"] != "tokens"}
     assert rows["4"]["status"] == "ok" and float(rows["4"]["value"]) == direct("tiny-llama", 4)[0]
     assert rows["5"]["status"] == "failed" and "failing on purpose" in rows["5"]["error"] and rows["5"]["metric"] == ""
