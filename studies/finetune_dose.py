@@ -199,12 +199,13 @@ def conclusions(doc: dict) -> list[str]:
         + ("resolved" if last["dnll"]["lo"] > 0 or last["dnll"]["hi"] < 0 else "not resolved")
         + f"), top-1 flips {last['flips']}/{last['flip']['n']}."
     )
-    diffs = {k: doc["steps"][str(k)]["span_kl_minus_previous"] for k in on[1:]}
+    diffs = {k: doc["steps"][str(k)]["span_kl_minus_previous"] for k in steps[1:]}
     up = [k for k, d in diffs.items() if d["mean"] > 0]
     resolved = [k for k, d in diffs.items() if d["lo"] > 0]
     down = [k for k, d in diffs.items() if d["hi"] < 0]
     out.append(
-        f"Answer-span KL between adjacent steps (paired): rises at {len(up)} of {len(diffs)} steps "
+        f"Answer-span KL between adjacent steps (paired, {steps[0]}->{steps[1]} to {steps[-2]}->{steps[-1]}): "
+        f"rises at {len(up)} of {len(diffs)} steps "
         f"({'monotone' if len(up) == len(diffs) else 'not monotone'}); resolved increases at steps "
         f"{', '.join(map(str, resolved)) or 'none'}"
         + (f"; resolved decreases at steps {', '.join(map(str, down))}" if down else "")
