@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import tempfile
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -106,17 +107,77 @@ def variants(model: LoadedModel, kind: str, **finetune) -> LoadedModel:
     else:
         opts = dict(FINETUNE_DEFAULTS, **finetune)
         _finetune(module, model.tokenizer, **opts)
-        derived = (
-            f"fine-tune ({opts['steps']} AdamW steps, lr {opts['lr']:g}, seed {opts['seed']}, "
-            f"{opts['batch']}x{opts['seq_len']} tokens of kvlab/data/finetune.txt)"
-        )
-        source["derived"] = f"{base['derived']} + {derived}" if base.get("derived") else derived
+        source = _finetune_source(model, opts)
+    return _reader(model, module, kind, source)
+
+
+def _finetune_source(model: LoadedModel, opts: dict) -> dict:
+    """The ``source`` of a ``finetune`` variant of ``model`` made with ``opts`` (all of :data:`FINETUNE_DEFAULTS`)."""
+    base = {k: v for k, v in (model.source or {}).items() if k not in ("folder", "fingerprint_dir")}
+    derived = (
+        f"fine-tune ({opts['steps']} AdamW steps, lr {opts['lr']:g}, seed {opts['seed']}, "
+        f"{opts['batch']}x{opts['seq_len']} tokens of kvlab/data/finetune.txt)"
+    )
+    return dict(
+        base,
+        variant="finetune",
+        base=model.name,
+        derived=f"{base['derived']} + {derived}" if base.get("derived") else derived,
+    )
+
+
+def _reader(model: LoadedModel, module: torch.nn.Module, kind: str, source: dict) -> LoadedModel:
     module.eval()
     for p in module.parameters():
         p.requires_grad_(False)
     return LoadedModel(
         model=module, tokenizer=model.tokenizer, name=f"{model.name}+{kind}", config=module.config, source=source
     )
+
+
+def finetune_snapshots(model: LoadedModel, steps, **finetune) -> Iterator[tuple[int, LoadedModel]]:
+    """One fine-tune run of ``model`` and its reader at each of ``steps``: nested snapshots of one training.
+
+    The run is the ``finetune`` variant's (:func:`variants`): the same seed draws the same
+    batches, and AdamW at a constant learning rate makes the first ``k`` steps of a longer run
+    the whole of a ``k``-step run, so the snapshot at ``k`` is, bit for bit and in its
+    fingerprint, ``variants(model, "finetune", steps=k, **finetune)``; it costs ``max(steps)``
+    steps instead of ``sum(steps)``. Step 0 is no fine-tune at all: it yields ``model`` itself
+    (the producer's weights and identity). ``model`` is never modified.
+
+    Parameters
+    ----------
+    model : LoadedModel
+        The producer.
+    steps : iterable of int
+        Snapshot steps (``>= 0``); yielded in increasing order, each once.
+    **finetune
+        Overrides of :data:`FINETUNE_DEFAULTS` other than ``steps``.
+
+    Yields
+    ------
+    (int, LoadedModel)
+        The step and its reader: a copy of the training module at that step, cast back to the
+        producer's dtype. Drop each before taking the next to hold one snapshot at a time.
+    """
+    wanted = sorted(set(steps))
+    if not wanted or any(not isinstance(k, int) or isinstance(k, bool) or k < 0 for k in wanted):
+        raise KvlabError(f"snapshot steps must be integers >= 0, not {list(steps)!r}")
+    unknown = set(finetune) - (set(FINETUNE_DEFAULTS) - {"steps"})
+    if unknown:
+        raise KvlabError(f"finetune_snapshots takes no option(s) {', '.join(sorted(unknown))}")
+    if wanted[0] == 0:
+        yield 0, model
+    if wanted[-1] == 0:
+        return
+    opts = dict(FINETUNE_DEFAULTS, **finetune, steps=wanted[-1])
+    module = copy.deepcopy(model.model)
+    dtype = next(module.parameters()).dtype
+    for k in _training(module, model.tokenizer, **opts):
+        if k in wanted:
+            snap = copy.deepcopy(module).to(dtype)
+            yield k, _reader(model, snap, "finetune", _finetune_source(model, dict(opts, steps=k)))
+            del snap
 
 
 @torch.no_grad()
@@ -133,11 +194,24 @@ def _int8_roundtrip(module: torch.nn.Module) -> None:
 def _finetune(
     module: torch.nn.Module, tokenizer, *, steps: int, lr: float, seed: int, seq_len: int, batch: int
 ) -> None:
+    dtype = next(module.parameters()).dtype
+    for _ in _training(module, tokenizer, steps=steps, lr=lr, seed=seed, seq_len=seq_len, batch=batch):
+        pass
+    module.to(dtype)
+
+
+def _training(
+    module: torch.nn.Module, tokenizer, *, steps: int, lr: float, seed: int, seq_len: int, batch: int
+) -> Iterator[int]:
+    """Train ``module`` in place (cast to float32), yielding ``k`` after AdamW step ``k`` (1..``steps``).
+
+    Gradients are enabled only inside each step, so the caller runs with its own grad mode
+    while the generator waits.
+    """
     ids = torch.tensor(tokenizer(finetune_text(), add_special_tokens=False)["input_ids"], dtype=torch.long)
     if ids.numel() <= seq_len:
         raise KvlabError(f"the fine-tune text is {ids.numel()} tokens, fewer than seq_len={seq_len}")
-    first = next(module.parameters())
-    dtype, device = first.dtype, first.device
+    device = next(module.parameters()).device
     module.float()
     # Embeddings are tied in both real models and dominate the optimizer state; a
     # fine-tune of every block already moves every cached key and value.
@@ -151,16 +225,18 @@ def _finetune(
         opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(seed)
     module.eval()  # no dropout: the steps are deterministic
-    with torch.inference_mode(False), torch.enable_grad():
-        for _ in range(steps):
-            starts = torch.randint(0, ids.numel() - seq_len, (batch,), generator=gen)
-            x = torch.stack([ids[s : s + seq_len] for s in starts.tolist()]).to(device)
-            loss = module(input_ids=x, labels=x, use_cache=False).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    del opt
-    module.to(dtype)
+    try:
+        for k in range(1, steps + 1):
+            with torch.inference_mode(False), torch.enable_grad():
+                starts = torch.randint(0, ids.numel() - seq_len, (batch,), generator=gen)
+                x = torch.stack([ids[s : s + seq_len] for s in starts.tolist()]).to(device)
+                loss = module(input_ids=x, labels=x, use_cache=False).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            yield k
+    finally:
+        del opt
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from kvlab.files.io import save_cache
 from kvlab.measure.mismatch import (
     DEFAULT_PROBES,
     VARIANT_KINDS,
+    finetune_snapshots,
     finetune_text,
     format_study,
     mismatch_kl,
@@ -174,3 +175,25 @@ def test_smollm2_variants_read_a_foreign_cache(tmp_path, smollm2):
     cast = variants(producer, "bf16")
     loaded = kvlab.load_model("smollm2-135m", dtype=torch.bfloat16)
     assert compare(fingerprint(cast), fingerprint(loaded)) == []
+
+
+def test_finetune_snapshots_are_the_k_step_fine_tunes_of_one_run(llama):
+    # Nested snapshots of one run: at each k, bit for bit and in fingerprint, an independent k-step fine-tune.
+    opts = {k: v for k, v in TINY_FT.items() if k != "steps"}
+    before = weights_digest(llama.model)
+    seen = []
+    for k, reader in finetune_snapshots(llama, [3, 0, 1, 3], **opts):
+        seen.append(k)
+        if k == 0:
+            assert reader is llama  # no step taken: the producer itself
+            continue
+        alone = variants(llama, "finetune", steps=k, **opts)
+        mine, theirs = reader.model.state_dict(), alone.model.state_dict()
+        assert all(torch.equal(mine[n], theirs[n]) for n in theirs)
+        assert fingerprint(reader) == fingerprint(alone) and reader.dtype == llama.dtype
+        assert not any(p.requires_grad for p in reader.model.parameters())
+    assert seen == [0, 1, 3] and weights_digest(llama.model) == before
+    with pytest.raises(KvlabError, match="integers >= 0"):
+        next(finetune_snapshots(llama, [-1]))
+    with pytest.raises(KvlabError, match="no option"):
+        next(finetune_snapshots(llama, [1], epochs=2))

@@ -362,3 +362,19 @@ def test_the_gemma_controls_study_reads_every_ablation(tmp_path):
         assert got[t, "naive_minus_rerotate_span_kl"] == pytest.approx(
             got[t, "naive_span_kl"] - got[t, "rerotate_span_kl"], abs=1e-3
         )
+
+
+def test_the_finetune_dose_notebook_runs_its_script(tmp_path):
+    # studies/finetune_dose.ipynb imports studies/finetune_dose.py; one small point on a tiny model.
+    nb = Path(__file__).resolve().parents[2] / "studies" / "finetune_dose.ipynb"
+    path = tmp_path / "dose.toml"
+    path.write_text(
+        f'notebook = "{nb}"\noutput = "{tmp_path / "out"}"\n[parameters]\nsteps = [0, 1, 2]\nn_caches = 2\n'
+        'passage_tokens = 48\nmax_questions = 2\ncheck_step = 1\n[grid]\nmodel_name = ["tiny-llama"]\n'
+    )
+    result = run_study(load_study(path), workers=1, progress=False)
+    assert not result.failed, result.failed
+    got = {r["metric"]: float(r["value"]) for r in read_csv(tmp_path / "out" / "results.csv")}
+    assert got["span_kl_step0"] == 0 and got["kl_step0"] == 0 and got["refused_step0"] == 0  # the producer
+    assert got["refused_step1"] == got["refused_step2"] == 1 and got["nested_check"] == 1
+    assert 0 < got["span_kl_step1"] and 0 < got["span_kl_step2"]
