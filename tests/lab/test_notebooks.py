@@ -222,6 +222,8 @@ GEMMA_PARAMS = {
         "probes": [" The ledger is now kept in the city of", " Maren was the keeper's"],
         "kshift_tokens": 128,
         "kshift_probes": 4,
+        # q8_0 is measured in the stored SmolLM2 run; here f16 and q4_0 (the pair the asserts compare).
+        "kshift_types": ["f16", "q4_0"],
     },
     # Two passages of 300 tokens: past the 512-token window, so the sliding layers drop tokens.
     "07_long_context": {
