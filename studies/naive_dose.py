@@ -230,6 +230,21 @@ def table(doc: dict, which: str = "cells") -> str:
     return "\n".join(out)
 
 
+def em_table(doc: dict, which: str = "cells") -> str:
+    """The paired exact-match difference (naive - rerotate) of one family of cells, one column per key."""
+    cells = doc[which]
+    keys = [f"p{k}" if which == "offsets" else str(k) for k in cells]
+    return "\n".join(
+        [
+            "| | " + " | ".join(keys) + " |",
+            "|" + "---|" * (len(keys) + 1),
+            "| exact match, naive - rerotate | "
+            + " | ".join(_f(c["em"]["diff"], "+.2f") for c in cells.values())
+            + " |",
+        ]
+    )
+
+
 def conclusion(doc: dict) -> list[str]:
     """Sentences from a summary document: the onset per family, with its interval."""
     unit = {"count": "fragments", "length": "tokens per fragment"}[doc["axis"]]
@@ -386,10 +401,12 @@ def sweep_table(folder: Path) -> str:
         pr = point["parameters"]
         doc = from_records(point["records"], pr["model_name"], pr["axis"])
         out += [f"### {doc['model']}, {doc['axis']} axis ({point['wall_s'] / 60:.1f} min)", "", table(doc)]
+        out += ["", em_table(doc)]
         if doc["axis"] == "count":
             out += ["", "Same questions at every count (passages 0 and 1):", "", table(doc, "fixed_questions")]
             out += ["", "By landing offset of the answer's passage (pooled over counts, resampled by set):", ""]
             out.append(table(doc, "offsets"))
+            out += ["", em_table(doc, "offsets")]
         out += ["", *("- " + line for line in conclusion(doc)), ""]
     return "\n".join(out)
 
