@@ -271,33 +271,74 @@ def conclusion(doc: dict) -> list[str]:
     return out
 
 
+LABELS = {
+    "count": "fragments merged (512 tokens each, at most)",
+    "length": "tokens per fragment (4 fragments)",
+    "offsets": "landing offset of the answer's passage (tokens)",
+}
+
+
+def _panel(ax, doc: dict, which: str) -> None:
+    """naive and rerotate answer-span KL with intervals against one family's keys (offsets: in tokens)."""
+    cells = doc[which]
+    if which == "offsets":
+        xs = [(c["offset_min"] + c["offset_max"]) / 2 for c in cells.values()]
+        label = LABELS["offsets"]
+    else:
+        xs, label = [int(k) for k in cells], LABELS[doc["axis"]]
+    for w, colour in (("naive", "tab:red"), ("rerotate", "tab:blue")):
+        cs = [c["span_kl"][w] for c in cells.values()]
+        mid = [c["mean"] for c in cs]
+        err = [[m - c["lo"] for m, c in zip(mid, cs)], [c["hi"] - m for m, c in zip(mid, cs)]]
+        ax.errorbar(xs, mid, yerr=err, marker="o", capsize=3, color=colour, label=w)
+    if doc["axis"] == "length" and which == "cells":
+        ax.set_xscale("log", base=2)
+    ax.set_xlabel(label)
+    ax.set_ylabel("answer-span KL vs joined prefill (nats/token)")
+    n, caches = sum(c["n"] for c in cells.values()), max(c["caches"] for c in cells.values())
+    by = "answer's landing offset" if which == "offsets" else doc["axis"]
+    ax.set_title(
+        f"{doc['model']}: naive vs rerotate by {by}\n({n} question reads, {caches} caches, 95% CI)", fontsize=9
+    )
+    ax.legend()
+
+
 def figure(doc: dict):
     """Answer-span KL of naive and rerotate against the axis (and, on the count axis, the landing offset), with intervals."""
     import matplotlib.pyplot as plt
 
-    fams = [("cells", {"count": "fragments merged", "length": "tokens per fragment"}[doc["axis"]])]
-    if doc["axis"] == "count":
-        fams.append(("offsets", "landing offset of the answer's passage (tokens)"))
+    fams = ["cells"] + (["offsets"] if doc["axis"] == "count" else [])
     fig, axes = plt.subplots(1, len(fams), figsize=(5.5 * len(fams), 3.8), squeeze=False)
-    for ax, (which, label) in zip(axes[0], fams):
-        keys = [int(k) for k in doc[which]]
-        for w, colour in (("naive", "tab:red"), ("rerotate", "tab:blue")):
-            cs = [c["span_kl"][w] for c in doc[which].values()]
-            mid = [c["mean"] for c in cs]
-            err = [[m - c["lo"] for m, c in zip(mid, cs)], [c["hi"] - m for m, c in zip(mid, cs)]]
-            ax.errorbar(keys, mid, yerr=err, marker="o", capsize=3, color=colour, label=w)
-        if doc["axis"] == "length":
-            ax.set_xscale("log", base=2)
-        ax.set_xlabel(label)
-        ax.set_ylabel("answer-span KL vs joined prefill (nats/token)")
-        n = sum(c["n"] for c in doc[which].values())
-        ax.set_title(
-            f"{doc['model']}: naive vs rerotate by {label.split(' (')[0]}\n({n} question reads, 95% cluster CI)",
-            fontsize=9,
-        )
-        ax.legend()
+    for ax, which in zip(axes[0], fams):
+        _panel(ax, doc, which)
     fig.tight_layout()
     return fig
+
+
+def sweep_figure(folder: Path, path: Path) -> Path:
+    """One row per model (count, landing offset, length) from a sweep output folder's records, saved to ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    docs = {}
+    for p in sorted(folder.glob("points/*/record.json")):
+        point = json.loads(p.read_text())
+        if point["status"] == "ok":
+            pr = point["parameters"]
+            docs[pr["model_name"], pr["axis"]] = from_records(point["records"], pr["model_name"], pr["axis"])
+    models = list(dict.fromkeys(m for m, _ in docs))
+    fig, axes = plt.subplots(len(models), 3, figsize=(16, 4.2 * len(models)), squeeze=False)
+    for row, m in zip(axes, models):
+        for ax, (axis, which) in zip(row, (("count", "cells"), ("count", "offsets"), ("length", "cells"))):
+            if (m, axis) in docs:
+                _panel(ax, docs[m, axis], which)
+            else:
+                ax.set_visible(False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
 
 
 def main() -> None:
@@ -311,9 +352,12 @@ def main() -> None:
     ap.add_argument("--sets", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sweep-table", metavar="DIR", help="print the tables of a kvlab sweep output folder and stop")
+    ap.add_argument("--figure", metavar="PNG", help="with --sweep-table: also draw every point's curves into PNG")
     args = ap.parse_args()
     if args.sweep_table:
         print(sweep_table(Path(args.sweep_table)))
+        if args.figure:
+            print(f"figure: {sweep_figure(Path(args.sweep_table), Path(args.figure))}")
         return
     model = kvlab.load_model(args.model)
     t0 = time.perf_counter()
