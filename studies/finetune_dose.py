@@ -29,7 +29,6 @@ excludes 0.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import tempfile
 import time
@@ -40,7 +39,7 @@ import torch
 import kvlab
 from kvlab.findings import readers as study
 from kvlab.measure.mismatch import finetune_snapshots
-from kvlab.measure.stats import CI
+from kvlab.sweep.point import read_points
 
 STEPS = (0, 1, 2, 4, 8, 16)
 #: metric -> (label, unit, format) for the tables and the figure.
@@ -54,10 +53,6 @@ METRICS = {
 
 def reader_name(k: int) -> str:
     return f"step{k}"
-
-
-def _ci(c: CI) -> dict:
-    return {"mean": c.mean, "lo": c.lo, "hi": c.hi, "n": c.n, "caches": c.n_clusters}
 
 
 def same_weights(a: kvlab.LoadedModel, b: kvlab.LoadedModel) -> bool:
@@ -122,7 +117,7 @@ def measure(
     per_step = {}
     for i, k in enumerate(steps):
         name = reader_name(k)
-        entry = {m: _ci(ci[name, m]) for m in METRICS}
+        entry = {m: ci[name, m].as_dict() for m in METRICS}
         entry["flips"] = sum(r["flip"] for r in rows if r["reader"] == name)
         entry["refused"] = refusal[k] is not None
         entry["fields"] = refusal[k] or []
@@ -133,9 +128,9 @@ def measure(
             r["kl"] == 0 and r["span_kl"] == 0 and r["dnll"] == 0 and not r["flip"] for r in rows if r["reader"] == name
         )
         if i > 0:
-            entry["span_kl_minus_step0"] = _ci(study.paired(rows, name, reader_name(steps[0]), seed=seed))
-            entry["span_kl_minus_previous"] = _ci(study.paired(rows, name, reader_name(steps[i - 1]), seed=seed))
-            entry["kl_minus_previous"] = _ci(study.paired(rows, name, reader_name(steps[i - 1]), "kl", seed=seed))
+            entry["span_kl_minus_step0"] = study.paired(rows, name, reader_name(steps[0]), seed=seed).as_dict()
+            entry["span_kl_minus_previous"] = study.paired(rows, name, reader_name(steps[i - 1]), seed=seed).as_dict()
+            entry["kl_minus_previous"] = study.paired(rows, name, reader_name(steps[i - 1]), "kl", seed=seed).as_dict()
         per_step[str(k)] = entry
     args = dict(steps=steps, n_caches=n_caches, n_passages=n_passages, passage_tokens=passage_tokens, seed=seed)
     args.update(people_per_passage=people_per_passage, max_questions=max_questions, check_step=check_step)
@@ -290,7 +285,7 @@ def _doc_from_point(point: dict) -> dict:
 
 def sweep_table(folder: Path, figure_path: Path | None = None) -> str:
     """The markdown tables and conclusions of a ``kvlab sweep studies/finetune_dose.toml`` output folder."""
-    points = [json.loads(p.read_text()) for p in sorted(folder.glob("points/*/record.json"))]
+    points = read_points(folder)
     ok = [p for p in points if p["status"] == "ok"]
     order = {"smollm2-135m": 0, "gemma3-270m": 1}
     ok.sort(key=lambda p: order.get(p["parameters"]["model_name"], 9))

@@ -33,12 +33,12 @@ Named before the run, at each length, paired within caches, 95% cluster bootstra
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import kvlab
 from kvlab.cache.repro import ExactOnly, RerotateOnly
 from kvlab.findings import longctx
+from kvlab.sweep.point import read_points
 
 RER_ONLY = ("rerotate sliding only", "rerotate full only")
 EXACT_ONLY = ("exact sliding only", "exact full only")
@@ -153,7 +153,7 @@ def tables(doc: dict) -> str:
 
 def sweep_table(folder: Path) -> str:
     """One row per length from a ``kvlab sweep studies/gemma_controls.toml`` output folder (its points' records)."""
-    points = [json.loads(p.read_text()) for p in sorted(folder.glob("points/*/record.json"))]
+    points = read_points(folder)
     points = sorted((p for p in points if p["status"] == "ok"), key=lambda p: p["parameters"]["tokens"])
     f = lambda r, fmt=".2f": f"{r['value']:{fmt}} [{r['ci_low']:{fmt}}, {r['ci_high']:{fmt}}]"  # noqa: E731
     out = [

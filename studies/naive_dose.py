@@ -31,7 +31,6 @@ from which the answer-span difference's interval lies above 0 there and at every
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
@@ -40,6 +39,7 @@ from kvlab.findings import longctx
 from kvlab.findings.evalset import EvalSet
 from kvlab.findings.qa import ask, passage_fragments, passage_texts
 from kvlab.measure.stats import mean_ci, paired_diff_ci, proportion_ci
+from kvlab.sweep.point import read_points
 
 COUNTS = (1, 2, 3, 4, 5, 6, 7, 8)
 LENGTHS = (64, 128, 256, 512, 1024)
@@ -59,8 +59,7 @@ def asked(s: EvalSet, k: int) -> EvalSet:
     return EvalSet(s.passages[:k], qs, s.seed, s.facts)
 
 
-def _read(model, s: EvalSet, frags, greedy_tokens: int, **tags) -> list[dict]:
-    _, probes, _ = passage_texts(model, s)
+def _read(model, s: EvalSet, frags, probes, greedy_tokens: int, **tags) -> list[dict]:
     rows = ask(model, s, strategies(), greedy_tokens=greedy_tokens, fragments=frags, probes=probes)
     total = sum(f.length for f in frags)
     for r in rows:
@@ -78,9 +77,10 @@ def count_rows(model, counts=COUNTS, tokens=512, *, sets=8, seed=0, greedy_token
         texts, _, _ = passage_texts(model, full)
         for k in counts:
             s = asked(full, k)
-            if passage_texts(model, s)[0] != texts[:k]:
+            texts_k, probes, _ = passage_texts(model, s)
+            if texts_k != texts[:k]:
                 raise kvlab.MergeError("the chat template renders the first passages differently at another count")
-            rows += _read(model, s, frags[:k], greedy_tokens, axis="count", set=j, fragment_tokens=tokens)
+            rows += _read(model, s, frags[:k], probes, greedy_tokens, axis="count", set=j, fragment_tokens=tokens)
         if log:
             log(f"{model.name}: count set {j + 1}/{sets}: {time.perf_counter() - t0:.0f} s")
     return rows
@@ -93,45 +93,27 @@ def length_rows(model, lengths=LENGTHS, count=4, *, sets=8, seed=0, greedy_token
         t0 = time.perf_counter()
         for n in lengths:
             s = asked(longctx.make_set(model, count, n, seed=seed + 1000 * j + 500, people_per_passage=1), count)
-            frags, _ = passage_fragments(model, s)
-            rows += _read(model, s, frags, greedy_tokens, axis="length", set=j, fragment_tokens=n)
+            frags, probes = passage_fragments(model, s)
+            rows += _read(model, s, frags, probes, greedy_tokens, axis="length", set=j, fragment_tokens=n)
         if log:
             log(f"{model.name}: length set {j + 1}/{sets}: {time.perf_counter() - t0:.0f} s")
     return rows
-
-
-def _pairs(rows, metric: str, where: dict, cluster: tuple[str, ...]) -> tuple[list, list, list]:
-    pick = {
-        s: {
-            (r["n_fragments"], r["fragment_tokens"], r["set"], r["question"]): r
-            for r in rows
-            if r["strategy"] == s and all(r[k] == v for k, v in where.items())
-        }
-        for s in ("naive", "rerotate")
-    }
-    keys = sorted(set(pick["naive"]) & set(pick["rerotate"]))
-    a = [float(pick["naive"][k][metric]) for k in keys]
-    b = [float(pick["rerotate"][k][metric]) for k in keys]
-    return a, b, [tuple(pick["naive"][k][c] for c in cluster) for k in keys]
 
 
 def cell(rows: list[dict], where: dict, cluster: tuple[str, ...], seed: int = 0) -> dict:
     """naive, rerotate, their paired difference and the ceiling for the rows matching ``where``."""
     out = {}
     for m in METRICS:
-        a, b, caches = _pairs(rows, m, where, cluster)
+        a, b, caches = longctx.pairs(rows, "naive", "rerotate", m, where, cluster)
         ci = proportion_ci if m == "em" else mean_ci
         out[m] = {
             "naive": ci(a, clusters=caches, seed=seed).as_dict(),
             "rerotate": ci(b, clusters=caches, seed=seed).as_dict(),
             "diff": paired_diff_ci(a, b, clusters=caches, seed=seed).as_dict(),
         }
-    ref = [bool(r["ref_em"]) for r in rows if r["strategy"] == "naive" and all(r[k] == v for k, v in where.items())]
-    caches = [
-        tuple(r[c] for c in cluster)
-        for r in rows
-        if r["strategy"] == "naive" and all(r[k] == v for k, v in where.items())
-    ]
+    # The joined prefill's exact match rides on every row; naive's rows carry it once per question.
+    sel = [r for r in rows if r["strategy"] == "naive" and all(r[k] == v for k, v in where.items())]
+    ref, caches = [bool(r["ref_em"]) for r in sel], [tuple(r[c] for c in cluster) for r in sel]
     out["ceiling_em"] = proportion_ci(ref, clusters=caches, seed=seed).as_dict()
     out["n"], out["caches"] = len(ref), len(set(caches))
     return out
@@ -323,8 +305,7 @@ def sweep_figure(folder: Path, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     docs = {}
-    for p in sorted(folder.glob("points/*/record.json")):
-        point = json.loads(p.read_text())
+    for point in read_points(folder):
         if point["status"] == "ok":
             pr = point["parameters"]
             docs[pr["model_name"], pr["axis"]] = from_records(point["records"], pr["model_name"], pr["axis"])
@@ -437,10 +418,9 @@ def from_records(recs: list[dict], model: str, axis: str) -> dict:
 def sweep_table(folder: Path) -> str:
     """The markdown tables of a ``kvlab sweep studies/naive_dose.toml`` output folder (its points' records)."""
     out = []
-    for p in sorted(folder.glob("points/*/record.json")):
-        point = json.loads(p.read_text())
+    for point in read_points(folder):
         if point["status"] != "ok":
-            out += [f"### {p.parent.name}: {point['status']} ({point.get('error')})", ""]
+            out += [f"### {point['point']}: {point['status']} ({point.get('error')})", ""]
             continue
         pr = point["parameters"]
         doc = from_records(point["records"], pr["model_name"], pr["axis"])

@@ -34,6 +34,7 @@ import numpy as np
 import kvlab
 from kvlab.atomic import atomic_path, atomic_write_text
 from kvlab.findings import longctx
+from kvlab.sweep.point import read_points
 
 RATIOS = (0.05, 0.1, 0.15, 0.3, 0.5)
 POLICIES = ("deviation", "fragment_start", "random_later")
@@ -162,7 +163,7 @@ def measure(
 
 def sweep_table(folder: Path) -> str:
     """The markdown tables of a ``kvlab sweep studies/recompute_curve.toml`` output folder (its points' records)."""
-    points = [json.loads(p.read_text()) for p in sorted(folder.glob("points/*/record.json"))]
+    points = read_points(folder)
     out = []
     for model in dict.fromkeys(p["parameters"]["model_name"] for p in points):
         mine = [p for p in points if p["parameters"]["model_name"] == model and p["status"] == "ok"]

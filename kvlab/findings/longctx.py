@@ -220,20 +220,28 @@ def summarize(rows: list[dict], by: tuple[str, ...] = ("n_fragments", "strategy"
     return out
 
 
-def pairs(rows: list[dict], a: str, b: str, metric: str, where: dict | None) -> tuple[list, list, list]:
-    """``metric`` of ``a`` and of ``b`` over the questions both answered, and each pair's cache."""
+def pairs(
+    rows: list[dict], a: str, b: str, metric: str, where: dict | None, cluster: tuple[str, ...] = ("n_fragments", "set")
+) -> tuple[list, list, list]:
+    """``metric`` of ``a`` and of ``b`` over the questions both answered, and each pair's cluster label.
+
+    A question is one (``n_fragments``, ``set``, ``question``) among the rows ``where`` selects; its
+    label is its values of ``cluster`` (default the cache it was read behind, :func:`cache_of`;
+    ``("set",)`` when nested caches of one generated set are pooled).
+    """
     where = where or {}
 
     def pick(s: str) -> dict:
         return {
-            (r["n_fragments"], r.get("set", 0), r["question"]): float(r[metric])
+            (r["n_fragments"], r.get("set", 0), r["question"]): r
             for r in rows
             if r["strategy"] == s and all(r[k] == v for k, v in where.items())
         }
 
     x, y = pick(a), pick(b)
     keys = sorted(set(x) & set(y))
-    return [x[k] for k in keys], [y[k] for k in keys], [k[:2] for k in keys]
+    labels = [tuple(x[k].get(c, 0) for c in cluster) for k in keys]
+    return [float(x[k][metric]) for k in keys], [float(y[k][metric]) for k in keys], labels
 
 
 def paired(rows: list[dict], a: str, b: str, metric: str, *, where: dict | None = None, seed: int = 0) -> CI:

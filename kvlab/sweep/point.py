@@ -46,6 +46,15 @@ def read_json(path) -> dict | None:
         return None
 
 
+def read_points(out) -> list[dict]:
+    """Every point record (``points/*/record.json``) of a sweep output folder ``out``, in folder-name order.
+
+    What a study's own table script reads after ``kvlab sweep``; an unreadable record is left out.
+    """
+    recs = (read_json(p) for p in sorted(Path(out).glob("points/*/record.json")))
+    return [r for r in recs if r is not None]
+
+
 def _error_text(e: BaseException) -> str:
     # papermill's PapermillExecutionError carries the notebook's own exception; show that.
     ename, evalue = getattr(e, "ename", None), getattr(e, "evalue", None)
