@@ -18,6 +18,10 @@ behind the joined prefill and behind every merge, with the study's 5 greedy toke
   question. It says how much of the new path's time is left to take out by reading
   differently, rather than by reading fewer tokens.
 
+``--profile`` also runs the new path once more per configuration under torch's profiler and
+prints where its CPU time goes (attention, GEMMs, copies, the rest): what is left once the
+copies are gone.
+
 Only the probe reads are timed (merges and prefills are the same for both). CPU time is
 ``time.process_time`` (all threads); it is printed per torch thread count, since on a
 loaded machine idle OpenMP threads spinning at barriers are CPU time too. The load average
@@ -103,6 +107,29 @@ def floor_scores(model, caches, probes):
         model.model(input_ids=ids[None], position_ids=pos, cache=work, use_cache=True, logits_to_keep=len(probes))
 
 
+def profile_shares(model, frags, reference, merges, probes) -> str:
+    """The new path's CPU time by kind of operator, from torch's profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        new_scores(model, frags, reference, merges, probes)
+    kinds = {"attention": 0.0, "GEMM": 0.0, "copies": 0.0, "other": 0.0}
+    for e in prof.key_averages():
+        name = e.key
+        kind = (
+            "attention"
+            if "scaled_dot_product" in name
+            else "GEMM"
+            if name in ("aten::mm", "aten::bmm", "aten::addmm")
+            else "copies"
+            if name in ("aten::copy_", "aten::cat", "aten::clone")
+            else "other"
+        )
+        kinds[kind] += e.self_cpu_time_total
+    total = sum(kinds.values())
+    return ", ".join(f"{k} {v / total:.0%}" for k, v in kinds.items()) + f" of {total / 1e6:.1f} CPU-s"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
@@ -110,6 +137,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--old-questions", type=int, default=3)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, torch.get_num_threads()])
+    ap.add_argument("--profile", action="store_true", help="also print where the new path's CPU time goes")
     args = ap.parse_args()
     model = kvlab.load_model(args.model)
     print(
@@ -153,6 +181,8 @@ def main() -> None:
                 f"{rates['floor'] / rates['new']:.2f}x; greedy answers "
                 f"{'the same' if same else 'DIFFER'}, max |d log p| (joined prefill) {dlp:.1e}; {load()}"
             )
+            if args.profile:
+                print(f"{'':>8} new path, by operator: {profile_shares(model, frags, reference, merges, probes)}")
 
 
 if __name__ == "__main__":

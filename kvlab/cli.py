@@ -230,6 +230,7 @@ def _report(args) -> int:
         model=args.model,
         progress=not args.no_progress,
         no_input=args.no_input,
+        jobs=args.jobs,
     )
     print(f"report: {report.index}")
     for r in report.failed:
@@ -334,6 +335,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("-p", "--param", nargs=2, action="append", metavar=("NAME", "VALUE"), help="a notebook parameter")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--no-input", action="store_true", help="HTML without code: markdown, outputs and figures only")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="notebooks run at once, each kernel on CPUs/N torch threads (default: one per CPU core)",
+    )
     p.set_defaults(func=_report)
     p = sub.add_parser("sweep", help="run a notebook over a parameter grid (a STUDY.toml) on Dask")
     p.add_argument("study", help="study file (TOML): notebook, [grid], [zip], seeds, repeats, output, timeout")

@@ -216,6 +216,80 @@ def _export_html(nb_path: Path, dst: Path, no_input: bool) -> None:
     atomic_write_text(dst, body, mode=0o644)
 
 
+def default_jobs(n_notebooks: int) -> int:
+    """Notebooks run at once by default: one per CPU core, at most one per notebook."""
+    return max(1, min(n_notebooks, os.cpu_count() or 1))
+
+
+def _expected_seconds(src: Path) -> float:
+    """How long the committed run of a notebook took (papermill's record), for the run order."""
+    import nbformat
+
+    try:
+        return float(nbformat.read(src, as_version=4).metadata.get("papermill", {}).get("duration") or 0.0)
+    except (OSError, ValueError, TypeError):
+        return 0.0
+
+
+def _kernel_env(threads: int | None) -> None:
+    """In a worker process: the environment its kernels inherit when notebooks share the cores."""
+    if threads is not None:
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        # Two kernels' spinning OpenMP threads would hold the cores each other needs (docs/testing.md).
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def _execute(src: Path, dst: Path, given: dict, kernel: str) -> tuple[str | None, float]:
+    """Run one notebook with papermill; ``(error or None, seconds)``. Never raises."""
+    import papermill as pm
+
+    t0 = time.perf_counter()
+    error = None
+    try:
+        # Run with the notebook folder as working directory, as JupyterLab does.
+        pm.execute_notebook(
+            str(src), str(dst), parameters=given, progress_bar=False, cwd=str(src.parent), kernel_name=kernel
+        )
+    except pm.PapermillExecutionError as e:
+        error = f"{e.ename}: {e.evalue}"
+    except Exception as e:  # noqa: BLE001  a dead kernel fails this notebook, not the report
+        error = f"{type(e).__name__}: {e}"
+    return error, time.perf_counter() - t0
+
+
+def _run_all(jobs: list[tuple[str, Path, dict]], out: Path, kernel: str, n_jobs: int, bar) -> dict:
+    """Execute every notebook, ``n_jobs`` at a time: name -> ``(error, seconds)``."""
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from concurrent.futures.process import BrokenProcessPool
+
+    done: dict[str, tuple[str | None, float]] = {}
+    if n_jobs == 1:
+        for name, src, given in jobs:
+            bar.set_postfix_str(name)
+            done[name] = _execute(src, out / f"{name}.ipynb", given, kernel)
+            bar.update()
+        return done
+    # The longest first (by their committed runs), so that no long notebook starts last.
+    order = sorted(jobs, key=lambda j: -_expected_seconds(j[1]))
+    threads = max(1, (os.cpu_count() or 1) // n_jobs)
+    import multiprocessing
+
+    # Each kernel gets its share of the cores; a worker process keeps that setting out of the caller's environment.
+    with ProcessPoolExecutor(
+        n_jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_kernel_env, initargs=(threads,)
+    ) as pool:
+        futures = {pool.submit(_execute, src, out / f"{name}.ipynb", given, kernel): name for name, src, given in order}
+        for f in as_completed(futures):
+            name = futures[f]
+            try:
+                done[name] = f.result()
+            except BrokenProcessPool as e:
+                done[name] = (f"BrokenProcessPool: {e}", 0.0)
+            bar.set_postfix_str(name)
+            bar.update()
+    return done
+
+
 def run_report(
     out: Path,
     only: list[str] | None = None,
@@ -223,43 +297,40 @@ def run_report(
     model: str | None = None,
     progress: bool = True,
     no_input: bool = False,
+    jobs: int | None = None,
 ) -> Report:
     """Execute the chosen notebooks into ``out`` (ipynb + HTML + thumbnails) and write ``out/index.html``.
 
     A notebook that raises is recorded as failed (its error on the index) and the rest
     still run; ``Report.failed`` lists them. ``no_input`` writes the HTML without code.
-    ``progress`` shows a bar over the notebooks, on a terminal only.
+    ``progress`` shows a bar over the notebooks, on a terminal only. ``jobs`` notebooks run
+    at once (default :func:`default_jobs`: one per core), each kernel on
+    ``cpu_count // jobs`` torch threads; ``jobs=1`` runs them one after another in the
+    caller's environment.
     """
     import papermill as pm
     from tqdm.auto import tqdm
 
-    jobs = plan(only, params or {}, model)
+    plan_ = plan(only, params or {}, model)
+    if jobs is not None and jobs < 1:
+        raise ReportError(f"jobs must be at least 1, got {jobs}")
     kernel = kernel_name()  # refuse before writing anything when the kernel is missing
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
     models = sorted(
         {
             str(g.get("model_name", pm.inspect_notebook(str(src))["model_name"]["default"]).strip("\"'"))
-            for _, src, g in jobs
+            for _, src, g in plan_
         }
     )
+    n_jobs = min(jobs or default_jobs(len(plan_)), len(plan_)) or 1
+    bar = tqdm(total=len(plan_), desc="kvlab report", unit="notebook", disable=not (progress and sys.stderr.isatty()))
+    with bar:
+        done = _run_all(plan_, out, kernel, n_jobs, bar)
     runs = []
-    bar = tqdm(jobs, desc="kvlab report", unit="notebook", disable=not (progress and sys.stderr.isatty()))
-    for name, src, given in bar:
-        bar.set_postfix_str(name)
+    for name, src, _ in plan_:
         dst = out / f"{name}.ipynb"
-        t0 = time.perf_counter()
-        error = None
-        try:
-            # Run with the notebook folder as working directory, as JupyterLab does.
-            pm.execute_notebook(
-                str(src), str(dst), parameters=given, progress_bar=False, cwd=str(src.parent), kernel_name=kernel
-            )
-        except pm.PapermillExecutionError as e:
-            error = f"{e.ename}: {e.evalue}"
-        except Exception as e:  # noqa: BLE001  a dead kernel fails this notebook, not the report
-            error = f"{type(e).__name__}: {e}"
-        seconds = time.perf_counter() - t0
+        error, seconds = done[name]
         run = NotebookRun(name, seconds, question(src), "(not run)", error)
         if dst.exists():
             run.finding = finding(dst)
@@ -273,6 +344,7 @@ def run_report(
         runs.append(run)
     meta = run_metadata(models)
     meta["wall time"] = f"{time.perf_counter() - t_start:.0f} s"
+    meta["notebooks at once"] = str(n_jobs)
     index = out / "index.html"
     atomic_write_text(index, index_page(meta, runs, no_input), mode=0o644)
     for r in runs:

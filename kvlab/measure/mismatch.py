@@ -54,6 +54,31 @@ FINETUNE_DEFAULTS = {"steps": 6, "lr": 1.5e-4, "seed": 0, "seq_len": 48, "batch"
 _CASTS = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+class WideLinear(torch.nn.Linear):
+    """A half-precision linear layer whose product is summed in float32 and rounded once to its dtype.
+
+    That is what a half-precision GEMM computes on an accelerator (fp32 accumulation, one
+    rounding per output) and what torch's own CPU bf16/fp16 GEMM computes too, to the order
+    of the sums. Taken as an fp32 GEMM, it runs about 5x faster on AVX2 CPUs without native
+    bf16 (``benchmarks/halfgemm.py``), and its result does not move with the thread schedule
+    (torch's threaded bf16 GEMM moved notebook 03's bf16 row between runs).
+
+    Input ``[..., in_features]`` and output ``[..., out_features]`` in the layer's dtype.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.float()
+        return torch.nn.functional.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+
+
+def widen_linears(module: torch.nn.Module) -> torch.nn.Module:
+    """Make every plain ``nn.Linear`` of ``module`` a :class:`WideLinear` in place (same weights, same state dict)."""
+    for m in module.modules():
+        if type(m) is torch.nn.Linear:
+            m.__class__ = WideLinear
+    return module
+
+
 def finetune_text() -> str:
     """The small English text the ``finetune`` variant trains on (``kvlab/data/finetune.txt``)."""
     return resources.files("kvlab").joinpath("data/finetune.txt").read_text(encoding="utf-8")
@@ -70,7 +95,8 @@ def variants(model: LoadedModel, kind: str, **finetune) -> LoadedModel:
         The producer.
     kind : str
         ``bf16`` / ``fp16``: the weights cast to that dtype (what loading the same
-        checkpoint with another ``dtype`` gives). ``int8``: every 2-D weight (linear
+        checkpoint with another ``dtype`` gives), every activation in it, each linear
+        layer's product summed in float32 and rounded once (:class:`WideLinear`). ``int8``: every 2-D weight (linear
         layers and embeddings) quantized to int8 with one scale per output row
         (``scale = max|w_row| / 127``) and dequantized again; norms and biases are left as
         they are. ``finetune``: ``steps`` AdamW steps (``lr``, ``seed``, windows of
@@ -97,7 +123,7 @@ def variants(model: LoadedModel, kind: str, **finetune) -> LoadedModel:
     base = {k: v for k, v in (model.source or {}).items() if k not in ("folder", "fingerprint_dir")}
     source = dict(base, variant=kind, base=model.name)
     if kind in _CASTS:
-        module = module.to(_CASTS[kind])
+        module = widen_linears(module.to(_CASTS[kind]))
     elif kind == "int8":
         _int8_roundtrip(module)
         q = base.get("quantization")

@@ -283,6 +283,14 @@ def test_report_refuses_unknown_notebooks_and_parameters_before_running():
     assert jobs[0][2] == {"n_fragments": 3, "model_name": "tiny-llama"}
 
 
+def test_report_refuses_no_jobs_before_running(tmp_path):
+    from kvlab.lab.report import run_report
+
+    with pytest.raises(ReportError, match="jobs must be at least 1, got 0"):
+        run_report(tmp_path / "r", only=["01_phase_error"], jobs=0, progress=False)
+    assert not (tmp_path / "r").exists()
+
+
 def test_report_index_records_the_run_and_each_notebook(tmp_path):
     from kvlab.lab.report import run_report
 
@@ -292,8 +300,16 @@ def test_report_index_records_the_run_and_each_notebook(tmp_path):
         params={"texts": json.dumps(TEXTS)},
         model="tiny-gemma3",
         progress=False,
+        jobs=2,
     )
     assert report.failed == [] and [r.name for r in report.runs] == ["01_phase_error", "02_kv_heatmaps"]
+    # Two at once: each ran in its own kernel, and their runs overlap in time.
+    spans = []
+    for name in ("01_phase_error", "02_kv_heatmaps"):
+        pm = json.loads((tmp_path / f"{name}.ipynb").read_text())["metadata"]["papermill"]
+        spans.append((pm["start_time"], pm["end_time"]))
+    assert max(s for s, _ in spans) < min(e for _, e in spans), spans
+    assert report.meta["notebooks at once"] == "2"
     assert 'class="highlight hl-ipython3"' in (tmp_path / "01_phase_error.html").read_text()  # code shown by default
     page = report.index.read_text()
     import kvlab

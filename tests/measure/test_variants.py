@@ -14,6 +14,7 @@ from kvlab.files.io import save_cache
 from kvlab.measure.mismatch import (
     DEFAULT_PROBES,
     VARIANT_KINDS,
+    WideLinear,
     finetune_snapshots,
     finetune_text,
     format_study,
@@ -70,6 +71,30 @@ def test_dtype_variants_are_casts(llama, made):
     assert made["bf16"].dtype == torch.bfloat16 and made["fp16"].dtype == torch.float16
     w = llama.model.model.layers[0].self_attn.q_proj.weight
     assert torch.equal(made["bf16"].model.model.layers[0].self_attn.q_proj.weight, w.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp16"])
+def test_half_variants_sum_each_product_in_fp32_and_round_it_once(llama, made, kind):
+    v = made[kind]
+    linears = [m for m in v.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(type(m) is WideLinear for m in linears)
+    lin = v.model.model.layers[0].mlp.down_proj
+    x = torch.randn(5, lin.in_features, generator=torch.Generator().manual_seed(0)).to(v.dtype)
+    out = lin(x)
+    want = (x.double() @ lin.weight.double().T).to(v.dtype)  # the exact product, rounded once
+    assert out.dtype == v.dtype and torch.equal(
+        out, torch.nn.functional.linear(x.float(), lin.weight.float()).to(v.dtype)
+    )
+    # fp32 summation order aside, the exact product: at most one unit in the last place apart.
+    ulp = torch.finfo(v.dtype).eps * want.double().abs().clamp_min(torch.finfo(v.dtype).tiny)
+    assert ((out.double() - want.double()).abs() <= ulp).all()
+    # torch's own half GEMM computes the same thing, to the order of the sums.
+    native = torch.nn.Linear.forward(lin, x)
+    assert ((out.double() - native.double()).abs() <= ulp).all()
+    ids = torch.tensor([[1, 5, 9, 2, 7]])
+    with torch.inference_mode():
+        a, b = v.model(input_ids=ids).logits, v.model(input_ids=ids).logits
+    assert a.dtype == v.dtype and torch.equal(a, b)
 
 
 def test_int8_round_trip_is_per_channel_and_bounded(llama, made):
