@@ -231,12 +231,11 @@ def _expected_seconds(src: Path) -> float:
         return 0.0
 
 
-def _kernel_env(threads: int | None) -> None:
+def _kernel_env(threads: int) -> None:
     """In a worker process: the environment its kernels inherit when notebooks share the cores."""
-    if threads is not None:
-        os.environ["OMP_NUM_THREADS"] = str(threads)
-        # Two kernels' spinning OpenMP threads would hold the cores each other needs (docs/testing.md).
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    # Two kernels' spinning OpenMP threads would hold the cores each other needs (docs/testing.md).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def _execute(src: Path, dst: Path, given: dict, kernel: str) -> tuple[str | None, float]:
@@ -259,6 +258,7 @@ def _execute(src: Path, dst: Path, given: dict, kernel: str) -> tuple[str | None
 
 def _run_all(jobs: list[tuple[str, Path, dict]], out: Path, kernel: str, n_jobs: int, bar) -> dict:
     """Execute every notebook, ``n_jobs`` at a time: name -> ``(error, seconds)``."""
+    import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
     from concurrent.futures.process import BrokenProcessPool
 
@@ -272,8 +272,6 @@ def _run_all(jobs: list[tuple[str, Path, dict]], out: Path, kernel: str, n_jobs:
     # The longest first (by their committed runs), so that no long notebook starts last.
     order = sorted(jobs, key=lambda j: -_expected_seconds(j[1]))
     threads = max(1, (os.cpu_count() or 1) // n_jobs)
-    import multiprocessing
-
     # Each kernel gets its share of the cores; a worker process keeps that setting out of the caller's environment.
     with ProcessPoolExecutor(
         n_jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_kernel_env, initargs=(threads,)
@@ -323,7 +321,7 @@ def run_report(
             for _, src, g in plan_
         }
     )
-    n_jobs = min(jobs or default_jobs(len(plan_)), len(plan_)) or 1
+    n_jobs = min(jobs or default_jobs(len(plan_)), len(plan_))
     bar = tqdm(total=len(plan_), desc="kvlab report", unit="notebook", disable=not (progress and sys.stderr.isatty()))
     with bar:
         done = _run_all(plan_, out, kernel, n_jobs, bar)

@@ -208,7 +208,7 @@ def test_what_read_probes_refuses():
         read_probes(m, wide, PROBES)
 
 
-def assert_same_kls(m, ref, cache, probes, want, new):
+def assert_same_kls(m, ref, cache, probes, want, new, exact):
     """KL(ref || cache) per probe from the packed reads: the exact KL, to what its log-probabilities' rounding allows.
 
     With ``a``, ``b`` the exact (float64) log-probabilities behind ``ref`` and ``cache`` and the
@@ -217,8 +217,8 @@ def assert_same_kls(m, ref, cache, probes, want, new):
     ratios. The log-probabilities themselves are held to the exact read by
     :func:`assert_same_reads` (for the cache) and here (for the reference), no farther than
     ``ERROR_RATIO`` times the old path's miss. The KL's own error depends on the CPU (``ATOL``).
+    ``exact``: ``exact_twin(m)``.
     """
-    exact = exact_twin(m)
 
     def truth(c, p):
         return old_read_probe(exact, clone_cache(c, m.config, torch.float64), p)[0]
@@ -248,8 +248,9 @@ def test_the_old_reads_on_smollm2(smollm2, strategy):
     snap = snapshot(cache)
     new, want = read_probes(smollm2, cache, probes, greedy=8), read_probes(smollm2, ref, probes, greedy=8)
     assert_untouched(cache, snap)
-    assert_same_reads(smollm2, cache, probes, new, 8, exact_twin(smollm2))
-    assert_same_kls(smollm2, ref, cache, probes, want, new)
+    exact = exact_twin(smollm2)
+    assert_same_reads(smollm2, cache, probes, new, 8, exact)
+    assert_same_kls(smollm2, ref, cache, probes, want, new, exact)
 
 
 @pytest.mark.parametrize("strategy", ["naive", "rerotate"])
@@ -261,5 +262,6 @@ def test_the_old_reads_on_gemma3_past_its_window(gemma3, strategy):
     snap = snapshot(cache)
     new, want = read_probes(gemma3, cache, probes, greedy=8), read_probes(gemma3, ref, probes, greedy=8)
     assert_untouched(cache, snap)
-    assert_same_reads(gemma3, cache, probes, new, 8, exact_twin(gemma3))
-    assert_same_kls(gemma3, ref, cache, probes, want, new)
+    exact = exact_twin(gemma3)
+    assert_same_reads(gemma3, cache, probes, new, 8, exact)
+    assert_same_kls(gemma3, ref, cache, probes, want, new, exact)
