@@ -23,7 +23,7 @@ def test_nbval_passes_on_a_cold_model_cache(tmp_path):
     env = dict(os.environ, KVLAB_CACHE=str(tmp_path / "cache"), MPLBACKEND="Agg")
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval",
-         "notebooks/00_memos_defects.ipynb", "--nbval-sanitize-with", "notebooks/sanitize.cfg"],
+         "notebooks/02_kv_heatmaps.ipynb", "--nbval-sanitize-with", "notebooks/sanitize.cfg"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]

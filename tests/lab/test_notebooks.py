@@ -169,8 +169,9 @@ OTHER_PARAMS = {
 }
 # Notebooks that run a model's GGUF file in llama.cpp. A tiny model has no GGUF file (it is
 # built from a config in memory, and writing one just for this test would test the writer,
-# not kvlab), so there they must stop at the mapping with kvlab's reason; they run with the
-# same quick parameters on the smallest real model instead.
+# not kvlab), so there they must stop at the mapping with kvlab's reason; their run on Gemma 3
+# below takes the same texts, so the user's texts still reach llama.cpp on a real model (and
+# nbval runs them on SmolLM2 with their defaults).
 NEEDS_GGUF = {"06_llama_cpp"}
 
 
@@ -218,6 +219,7 @@ GEMMA_PARAMS = {
         "timing_repeats": 2,
     },
     "06_llama_cpp": {
+        "texts": OTHER_PARAMS["06_llama_cpp"]["texts"],
         "n_conversion_probes": 3,
         "probes": [" The ledger is now kept in the city of", " Maren was the keeper's"],
         "kshift_tokens": 128,
@@ -260,18 +262,6 @@ def test_every_notebook_runs_on_gemma3(name, tmp_path):
             assert o.get("name") != "stderr", (
                 f"{name} on gemma3-270m wrote to stderr: {''.join(o.get('text', ''))[:300]}"
             )
-
-
-@pytest.mark.real
-@pytest.mark.parametrize("name", sorted(NEEDS_GGUF))
-def test_gguf_notebooks_run_on_a_real_model_with_quick_parameters(name, tmp_path):
-    out = tmp_path / f"{name}.ipynb"
-    params = dict(OTHER_PARAMS[name], model_name="smollm2-135m")
-    pm.execute_notebook(
-        str(NB / f"{name}.ipynb"), str(out), parameters=params, progress_bar=False, cwd=str(NB), kernel_name="kvlab"
-    )
-    assert "model smollm2-135m: 30 layers" in out.read_text()
-    assert "smollm2-135m" in finding(out)
 
 
 def test_report_refuses_unknown_notebooks_and_parameters_before_running():
