@@ -256,17 +256,41 @@ def _execute(src: Path, dst: Path, given: dict, kernel: str) -> tuple[str | None
     return error, time.perf_counter() - t0
 
 
-def _run_all(jobs: list[tuple[str, Path, dict]], out: Path, kernel: str, n_jobs: int, bar) -> dict:
-    """Execute every notebook, ``n_jobs`` at a time: name -> ``(error, seconds)``."""
+def _finish(name: str, src: Path, out: Path, error: str | None, seconds: float, no_input: bool) -> NotebookRun:
+    """A run's record, its thumbnail and its HTML page, from what the run left in ``out``."""
+    dst = out / f"{name}.ipynb"
+    run = NotebookRun(name, seconds, question(src), "(not run)", error)
+    if dst.exists():
+        run.finding = finding(dst)
+        if error and run.finding == "(no finding printed)":
+            run.finding = "(none: the notebook stopped before printing it)"
+        png = key_figure(dst)
+        if png is not None:
+            run.thumbnail = f"{name}.thumb.png"
+            thumbnail(png, out / run.thumbnail)
+        _export_html(dst, out / f"{name}.html", no_input)
+    return run
+
+
+def _run_one(name: str, src: Path, given: dict, out: Path, kernel: str, no_input: bool) -> NotebookRun:
+    """Execute one notebook into ``out`` and write its page: in a worker, so pages overlap other runs."""
+    error, seconds = _execute(src, out / f"{name}.ipynb", given, kernel)
+    return _finish(name, src, out, error, seconds, no_input)
+
+
+def _run_all(
+    jobs: list[tuple[str, Path, dict]], out: Path, kernel: str, n_jobs: int, bar, no_input: bool
+) -> dict[str, NotebookRun]:
+    """Execute every notebook and write its page, ``n_jobs`` at a time: name -> its run."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
     from concurrent.futures.process import BrokenProcessPool
 
-    done: dict[str, tuple[str | None, float]] = {}
+    done: dict[str, NotebookRun] = {}
     if n_jobs == 1:
         for name, src, given in jobs:
             bar.set_postfix_str(name)
-            done[name] = _execute(src, out / f"{name}.ipynb", given, kernel)
+            done[name] = _run_one(name, src, given, out, kernel, no_input)
             bar.update()
         return done
     # The longest first (by their committed runs), so that no long notebook starts last.
@@ -276,13 +300,15 @@ def _run_all(jobs: list[tuple[str, Path, dict]], out: Path, kernel: str, n_jobs:
     with ProcessPoolExecutor(
         n_jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_kernel_env, initargs=(threads,)
     ) as pool:
-        futures = {pool.submit(_execute, src, out / f"{name}.ipynb", given, kernel): name for name, src, given in order}
+        futures = {
+            pool.submit(_run_one, name, src, given, out, kernel, no_input): (name, src) for name, src, given in order
+        }
         for f in as_completed(futures):
-            name = futures[f]
+            name, src = futures[f]
             try:
                 done[name] = f.result()
-            except BrokenProcessPool as e:
-                done[name] = (f"BrokenProcessPool: {e}", 0.0)
+            except BrokenProcessPool as e:  # the worker died: record what its notebook left behind
+                done[name] = _finish(name, src, out, f"BrokenProcessPool: {e}", 0.0, no_input)
             bar.set_postfix_str(name)
             bar.update()
     return done
@@ -324,22 +350,8 @@ def run_report(
     n_jobs = min(jobs or default_jobs(len(plan_)), len(plan_))
     bar = tqdm(total=len(plan_), desc="kvlab report", unit="notebook", disable=not (progress and sys.stderr.isatty()))
     with bar:
-        done = _run_all(plan_, out, kernel, n_jobs, bar)
-    runs = []
-    for name, src, _ in plan_:
-        dst = out / f"{name}.ipynb"
-        error, seconds = done[name]
-        run = NotebookRun(name, seconds, question(src), "(not run)", error)
-        if dst.exists():
-            run.finding = finding(dst)
-            if error and run.finding == "(no finding printed)":
-                run.finding = "(none: the notebook stopped before printing it)"
-            png = key_figure(dst)
-            if png is not None:
-                run.thumbnail = f"{name}.thumb.png"
-                thumbnail(png, out / run.thumbnail)
-            _export_html(dst, out / f"{name}.html", no_input)
-        runs.append(run)
+        done = _run_all(plan_, out, kernel, n_jobs, bar, no_input)
+    runs = [done[name] for name, _, _ in plan_]
     meta = run_metadata(models)
     meta["wall time"] = f"{time.perf_counter() - t_start:.0f} s"
     meta["notebooks at once"] = str(n_jobs)
