@@ -13,7 +13,7 @@ PEERS_STAMP := $(VENV)/.kvlab-peers
 # instead. It changes no result, only who waits: see docs/testing.md.
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: setup gemma peers prepare prepare-all lab report test test-fast lint bench study clean
+.PHONY: setup gemma peers prepare prepare-all prepare-peers lab report test test-fast lint bench study clean
 
 setup: $(STAMP)
 
@@ -77,15 +77,20 @@ $(PEERS_STAMP): $(STAMP)
 	$(PY) -m kvlab.peers.smoke
 	touch $@
 
+# The requantised copies llama.cpp's side runs (Q4_0, F32) and kvlab's conversion of the Q4_0 one,
+# made here once (about 3 minutes on an empty cache), not inside notebook 06 or a test.
+prepare-peers: prepare-all peers
+	$(VENV)/bin/kvlab peers --prepare smollm2-135m gemma3-270m
+
 # Notebook 06 runs llama.cpp and reads a state file with the other real model.
-report: prepare-all peers
+report: prepare-peers
 	$(VENV)/bin/kvlab report --out reports
 
 # nbval re-runs every notebook and compares its printed numbers with the stored run. The suite
 # runs on TEST_WORKERS processes (pytest-xdist); --dist loadfile keeps each file, so each
 # notebook's cells, on one worker, and the notebooks (the longest files) are handed out first.
 TEST_WORKERS ?= 2
-test: prepare-all peers
+test: prepare-peers
 	sh scripts/install-browser.sh
 	MPLBACKEND=Agg $(VENV)/bin/python -m pytest -q -rfEs -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile \
 		--durations=10 notebooks tests --nbval --nbval-sanitize-with notebooks/sanitize.cfg

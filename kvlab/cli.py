@@ -204,6 +204,12 @@ def _peers(args) -> int:
     from kvlab.models.sources import load_model
     from kvlab.peers.compare import peer_table
 
+    if args.prepare is not None:
+        from kvlab.peers.prepare import prepare
+
+        for name, files in prepare(args.prepare or None).items():
+            print(f"{name}: " + "; ".join(f"{kind} {path}" for kind, path in files.items()))
+        return 0
     torch.manual_seed(0)
     model = load_model(args.model)
     print(peer_table(model))
@@ -324,6 +330,14 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--lengths", nargs="+", type=int, default=[512], metavar="N", help="tokens per fragment for --quantised"
+    )
+    p.add_argument(
+        "--prepare",
+        nargs="*",
+        metavar="NAME",
+        default=None,
+        help="make the requantised copies (Q4_0, F32) llama.cpp's side runs, and convert the Q4_0 one, for these "
+        "real models (default: every installed one), then exit",
     )
     p.set_defaults(func=_peers)
     p = sub.add_parser("report", help="execute the notebooks with papermill into an HTML report")

@@ -34,6 +34,7 @@ from kvlab.models.digests import TOKENIZER_FILES
 from kvlab.models.gguf import (
     GGUF_MODELS,
     GGUFSpec,
+    _converted,
     conversion_dir,
     gguf_quantization,
     load_gguf,
@@ -479,6 +480,20 @@ def load_gguf_file(path: str | os.PathLike, dtype: torch.dtype = torch.float32, 
     UnsupportedModelError
         A model kvlab cannot treat.
     """
+    return load_gguf(_file_spec(path, name), dtype)
+
+
+def convert_gguf_file(path: str | os.PathLike, name: str | None = None) -> Path:
+    """Convert a GGUF file into kvlab's conversion cache without loading it; its folder.
+
+    What :func:`load_gguf_file` would do first, for a preparation step (``kvlab peers
+    --prepare``) that leaves nothing for a notebook or test to pay; the same checks and errors.
+    """
+    return _converted(_file_spec(Path(path), name))
+
+
+def _file_spec(path: Path, name: str | None) -> GGUFSpec:
+    """The spec under which a GGUF file converts and loads, after checking it is one kvlab treats."""
     path = Path(path).expanduser()
     if not path.is_file():
         raise ModelError(f"no GGUF file at {path}")
@@ -492,7 +507,7 @@ def load_gguf_file(path: str | os.PathLike, dtype: torch.dtype = torch.float32, 
     spec = _catalogue_spec(path, sha)
     if spec is not None:
         # The same bytes as a catalogue model: same conversion folder, same fingerprint.
-        return load_gguf(spec, dtype)
+        return spec
     spec = GGUFSpec(
         name=name or path.stem,
         family="",
@@ -506,7 +521,7 @@ def load_gguf_file(path: str | os.PathLike, dtype: torch.dtype = torch.float32, 
     )
     if (conversion_dir(spec.name, sha) / "kvlab-source.json").is_file():
         # Converted before, so it passed the checks below then; its recorded source says the rest.
-        return load_gguf(spec, dtype)
+        return spec
     quantization = gguf_quantization(path)
     try:
         with quiet_gguf_reader():
@@ -515,4 +530,4 @@ def load_gguf_file(path: str | os.PathLike, dtype: torch.dtype = torch.float32, 
         raise UnsupportedModelError(f"transformers cannot read {path} as a model: {e}") from None
     check_config(config, str(path))
     check_module(_skeleton(config), str(path))
-    return load_gguf(dataclasses.replace(spec, family=config.model_type, quantization=quantization), dtype)
+    return dataclasses.replace(spec, family=config.model_type, quantization=quantization)

@@ -188,8 +188,10 @@ def test_llama_cpp_accepts_a_requantisation_and_refuses_another_architecture(smo
     if GEMMA_MISSING:
         missing(GEMMA_REASON)
     src = peers.gguf_path("smollm2-135m")
-    q40 = peers.requantize(src, "Q4_0")
-    assert q40 == peers.requantize(src, "Q4_0")  # kept, not redone
+    # Into this test's folder: the shared cache already holds the copy `make prepare-peers` made.
+    q40 = peers.requantize(src, "Q4_0", out_dir=tmp_path)
+    assert q40 == peers.requantize(src, "Q4_0", out_dir=tmp_path)  # kept, not redone
+    assert q40.read_bytes() == peers.requantize(src, "Q4_0").read_bytes()  # the prepared copy is the same file
     rows = peers.state_file_study(
         smollm2, TEXTS[0], PROBES, {"same": src, "q4_0": q40, "gemma3": peers.gguf_path("gemma3-270m")}, tmp_path
     )
