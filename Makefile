@@ -45,8 +45,9 @@ $(GEMMA_STAMP): $(STAMP)
 prepare: setup
 	$(VENV)/bin/kvlab models --prepare smollm2-135m
 
+REAL_MODELS := smollm2-135m gemma3-270m
 prepare-all: setup gemma
-	$(VENV)/bin/kvlab models --prepare smollm2-135m gemma3-270m
+	$(VENV)/bin/kvlab models --prepare $(REAL_MODELS)
 
 # JupyterLab on the notebooks, with this venv as the kernel ("Python (kvlab)"). In a root shell
 # (a container) Jupyter refuses to start without --allow-root; it is added there only.
@@ -78,9 +79,9 @@ $(PEERS_STAMP): $(STAMP)
 	touch $@
 
 # The requantised copies llama.cpp's side runs (Q4_0, F32) and kvlab's conversion of the Q4_0 one,
-# made here once (about 3 minutes on an empty cache), not inside notebook 06 or a test.
+# made here once (about 5 minutes on two cores on an empty cache), not inside notebook 06 or a test.
 prepare-peers: prepare-all peers
-	$(VENV)/bin/kvlab peers --prepare smollm2-135m gemma3-270m
+	$(VENV)/bin/kvlab peers --prepare $(REAL_MODELS)
 
 # Notebook 06 runs llama.cpp and reads a state file with the other real model.
 report: prepare-peers

@@ -182,7 +182,7 @@ def _convert(spec: GGUFSpec, gguf: Path, sha: str, folder: Path, step: Callable[
         (tmp / "kvlab-source.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
 
 
-def _converted(spec: GGUFSpec, step: Callable[[str], None] = lambda s: None) -> Path:
+def converted(spec: GGUFSpec, step: Callable[[str], None] = lambda s: None) -> Path:
     """The conversion folder of a real model, converting its GGUF first if need be."""
     step("locate GGUF")
     gguf = spec.locate(spec)
@@ -196,6 +196,22 @@ def _converted(spec: GGUFSpec, step: Callable[[str], None] = lambda s: None) -> 
 
 
 _PREPARE_STEPS = ["locate GGUF", "sha256", "dequantize", "tokenizer", "save weights", "tokenizer digest"]
+
+
+def real_model_names(names: list[str] | None) -> list[str]:
+    """The real (GGUF) models a ``--prepare`` names: ``names`` checked, or every installed one.
+
+    Raises
+    ------
+    ModelError
+        A name that is not a real catalogue model.
+    """
+    if names is None:
+        return [n for n, spec in GGUF_MODELS.items() if importlib.util.find_spec(spec.module) is not None]
+    unknown = [n for n in names if n not in GGUF_MODELS]
+    if unknown:
+        raise ModelError(f"--prepare takes real models only ({', '.join(GGUF_MODELS)}); not: {', '.join(unknown)}")
+    return list(names)
 
 
 def prepare(names: list[str] | None = None, progress: bool | None = None) -> dict[str, Path]:
@@ -219,11 +235,7 @@ def prepare(names: list[str] | None = None, progress: bool | None = None) -> dic
     """
     from tqdm.auto import tqdm
 
-    if names is None:
-        names = [n for n, spec in GGUF_MODELS.items() if importlib.util.find_spec(spec.module) is not None]
-    unknown = [n for n in names if n not in GGUF_MODELS]
-    if unknown:
-        raise ModelError(f"--prepare takes real models only ({', '.join(GGUF_MODELS)}); not: {', '.join(unknown)}")
+    names = real_model_names(names)
     if progress is None:
         progress = sys.stderr.isatty()
     import matplotlib.font_manager  # noqa: F401  (builds the font cache once, here)
@@ -238,7 +250,7 @@ def prepare(names: list[str] | None = None, progress: bool | None = None) -> dic
                 bar.update(1)
 
             with quiet_transformers():
-                done[name] = _converted(spec, step)
+                done[name] = converted(spec, step)
             bar.update(bar.total - bar.n)
     return done
 
@@ -246,13 +258,13 @@ def prepare(names: list[str] | None = None, progress: bool | None = None) -> dic
 def load_gguf(spec: GGUFSpec, dtype: torch.dtype) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder = _converted(spec)
+    folder = converted(spec)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     source = json.loads((folder / "kvlab-source.json").read_text())
     source["folder"] = str(folder)
-    source["gguf_path"] = str(spec.existing(spec))  # located (and assembled) by _converted
+    source["gguf_path"] = str(spec.existing(spec))  # located (and assembled) by converted
     return LoadedModel(model=model, tokenizer=tokenizer, name=spec.name, config=model.config, source=source)
 
 

@@ -34,8 +34,8 @@ from kvlab.models.digests import TOKENIZER_FILES
 from kvlab.models.gguf import (
     GGUF_MODELS,
     GGUFSpec,
-    _converted,
     conversion_dir,
+    converted,
     gguf_quantization,
     load_gguf,
     sha256_cached,
@@ -489,7 +489,7 @@ def convert_gguf_file(path: str | os.PathLike, name: str | None = None) -> Path:
     What :func:`load_gguf_file` would do first, for a preparation step (``kvlab peers
     --prepare``) that leaves nothing for a notebook or test to pay; the same checks and errors.
     """
-    return _converted(_file_spec(Path(path), name))
+    return converted(_file_spec(Path(path), name))
 
 
 def _file_spec(path: Path, name: str | None) -> GGUFSpec:

@@ -37,22 +37,14 @@ def prepare(names: list[str] | None = None) -> dict[str, dict[str, Path]]:
     PeerError
         llama.cpp missing, or a requantisation it refuses.
     """
-    import importlib.util
-
-    from kvlab.errors import ModelError
-    from kvlab.models.gguf import GGUF_MODELS
+    from kvlab.models.gguf import real_model_names
     from kvlab.models.loaded import quiet_transformers
     from kvlab.models.sources import convert_gguf_file
     from kvlab.peers.compare import gguf_path
     from kvlab.peers.llama_cpp import requantize
 
-    if names is None:
-        names = [n for n, spec in GGUF_MODELS.items() if importlib.util.find_spec(spec.module) is not None]
-    unknown = [n for n in names if n not in GGUF_MODELS]
-    if unknown:
-        raise ModelError(f"--prepare takes real models only ({', '.join(GGUF_MODELS)}); not: {', '.join(unknown)}")
     done = {}
-    for name in names:
+    for name in real_model_names(names):
         src = gguf_path(name)
         files = {ftype: requantize(src, ftype) for ftype in PREPARED_FTYPES}
         with quiet_transformers():
