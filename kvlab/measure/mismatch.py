@@ -63,12 +63,33 @@ class WideLinear(torch.nn.Linear):
     bf16 (``benchmarks/halfgemm.py``), and its result does not move with the thread schedule
     (torch's threaded bf16 GEMM moved notebook 03's bf16 row between runs).
 
+    The float32 copies of the weight and bias are made once and kept (outside the state dict)
+    while the parameters keep their storage, dtype and version: casting SmolLM2's 135M weights
+    again in every forward pass cost more than the product itself for a one-token decoding step.
+    The copies are exact (every bf16/fp16 value is a float32 value), so the result is the same
+    bit for bit. Kept only when no gradient flows through the layer.
+
     Input ``[..., in_features]`` and output ``[..., out_features]`` in the layer's dtype.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = None if self.bias is None else self.bias.float()
-        return torch.nn.functional.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+        weight, bias = self._wide()
+        return torch.nn.functional.linear(x.float(), weight, bias).to(x.dtype)
+
+    def _wide(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The float32 ``[out_features, in_features]`` weight and ``[out_features]`` bias (or ``None``)."""
+        params = [p for p in (self.weight, self.bias) if p is not None]
+        if torch.is_grad_enabled() and any(p.requires_grad for p in params):
+            return self.weight.float(), None if self.bias is None else self.bias.float()
+        try:
+            key = tuple((p.data_ptr(), p.dtype, p.shape, p._version) for p in params)
+        except RuntimeError:  # an inference tensor keeps no version counter: cast it each time
+            return self.weight.float(), None if self.bias is None else self.bias.float()
+        kept = self.__dict__.get("_wide_kept")
+        if kept is None or kept[0] != key:
+            kept = (key, self.weight.float(), None if self.bias is None else self.bias.float())
+            self.__dict__["_wide_kept"] = kept
+        return kept[1], kept[2]
 
 
 def widen_linears(module: torch.nn.Module) -> torch.nn.Module:

@@ -97,6 +97,26 @@ def test_half_variants_sum_each_product_in_fp32_and_round_it_once(llama, made, k
     assert a.dtype == v.dtype and torch.equal(a, b)
 
 
+def test_wide_linear_keeps_its_fp32_weights_until_they_change(llama):
+    v = variants(llama, "bf16")
+    lin = v.model.model.layers[0].mlp.down_proj
+    keys = set(v.model.state_dict())
+    x = torch.randn(3, lin.in_features, generator=torch.Generator().manual_seed(1)).to(v.dtype)
+    first = lin(x)
+    kept = lin._wide()[0]
+    assert kept.dtype == torch.float32 and torch.equal(kept, lin.weight.float())
+    assert lin._wide()[0] is kept, "a second call must not cast the weights again"
+    assert set(v.model.state_dict()) == keys, "the kept copy is not part of the state dict"
+    with torch.no_grad():
+        lin.weight.mul_(2)  # an in-place edit bumps the version: the copy is made again
+    assert lin._wide()[0] is not kept
+    assert torch.equal(lin(x), torch.nn.functional.linear(x.float(), lin.weight.float()).to(v.dtype))
+    assert not torch.equal(lin(x), first)
+    lin.weight.requires_grad_(True)  # a gradient must flow to the weight, not stop at a kept copy
+    lin(x).float().sum().backward()
+    assert lin.weight.grad is not None and lin.weight.grad.abs().sum() > 0
+
+
 def test_int8_round_trip_is_per_channel_and_bounded(llama, made):
     w = llama.model.model.layers[1].mlp.up_proj.weight.detach()
     q = made["int8"].model.model.layers[1].mlp.up_proj.weight.detach()
