@@ -29,7 +29,7 @@ class CastEachCall(WideLinear):
     """WideLinear before its float32 weights were kept: both operands cast in every forward pass."""
 
     def _wide(self):
-        return self.weight.float(), None if self.bias is None else self.bias.float()
+        return self._cast()
 
 
 def forward(model, ids) -> tuple[torch.Tensor, float]:

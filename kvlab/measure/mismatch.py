@@ -80,16 +80,18 @@ class WideLinear(torch.nn.Linear):
         """The float32 ``[out_features, in_features]`` weight and ``[out_features]`` bias (or ``None``)."""
         params = [p for p in (self.weight, self.bias) if p is not None]
         if torch.is_grad_enabled() and any(p.requires_grad for p in params):
-            return self.weight.float(), None if self.bias is None else self.bias.float()
+            return self._cast()
         try:
             key = tuple((p.data_ptr(), p.dtype, p.shape, p._version) for p in params)
         except RuntimeError:  # an inference tensor keeps no version counter: cast it each time
-            return self.weight.float(), None if self.bias is None else self.bias.float()
+            return self._cast()
         kept = self.__dict__.get("_wide_kept")
         if kept is None or kept[0] != key:
-            kept = (key, self.weight.float(), None if self.bias is None else self.bias.float())
-            self.__dict__["_wide_kept"] = kept
+            kept = self.__dict__["_wide_kept"] = (key, *self._cast())
         return kept[1], kept[2]
+
+    def _cast(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.weight.float(), None if self.bias is None else self.bias.float()
 
 
 def widen_linears(module: torch.nn.Module) -> torch.nn.Module:
