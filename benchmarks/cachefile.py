@@ -11,7 +11,14 @@ Targets (issue 3):
   a raw ``safetensors.torch.save_file`` / ``load_file`` of the same tensors.
 
 save_cache fsyncs (atomicity needs it) and a raw save_file does not, so the raw save is
-also timed with an fsync, for reference. safetensors' load_file maps the file and reads
+also timed with an fsync, for reference.
+
+The write routes of issue 39 (the library writes a temporary of its own beside the name it
+is given, which a kill leaves behind): save_cache runs the library inside a private
+temporary folder; it is timed against the route before (the library writing beside the
+target) and the rejected one (``safetensors.torch.save`` to bytes, written by
+``kvlab.atomic.atomic_write_bytes``), each with the peak rise of the process's resident
+memory over one save (VmHWM, reset through /proc/self/clear_refs). safetensors' load_file maps the file and reads
 nothing until a tensor is touched, so the raw load is timed as load_file plus building
 the same DynamicCache from its tensors (what any usable load does); the lazy figure is
 printed too. Like benchmarks/merge.py, the save/load part runs
@@ -34,11 +41,14 @@ from pathlib import Path
 
 import torch
 from merge import run_each_malloc  # benchmarks/merge.py: run as a script, this folder is sys.path[0]
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save, save_file
 
 import kvlab
 import kvlab.files.identity as fpmod
+import kvlab.files.io as cio
+from kvlab.atomic import atomic_path, atomic_write_bytes
 from kvlab.cache.fragments import new_cache
+from kvlab.files.format import kvlab_metadata
 
 
 def median_time(fn, repeats: int, setup=None) -> float:
@@ -105,6 +115,48 @@ def bench_weights(model: kvlab.LoadedModel, repeats: int) -> None:
         print(f"  {label:28s} {t * 1e3:8.1f} ms  {gb / t:6.2f} GB/s  speed vs hashlib {base / t:5.2f}x")
 
 
+def write_beside(path, tensors, header) -> None:
+    """save_cache's write before issue 39: the library's own temporary lands beside the target."""
+    with atomic_path(path) as tmp:
+        save_file(dict(tensors), str(tmp), metadata=kvlab_metadata(header))
+
+
+def write_bytes(path, tensors, header) -> None:
+    """The rejected route: the container serialized to bytes, then written by kvlab alone."""
+    atomic_write_bytes(path, save(dict(tensors), metadata=kvlab_metadata(header)))
+
+
+def save_cache_via(write):
+    """``kvlab.save_cache`` with its container write replaced by ``write`` (checks and digests as they are)."""
+
+    def run(path, cache, model):
+        kept = cio.write_container
+        cio.write_container = write
+        try:
+            kvlab.save_cache(path, cache, model)
+        finally:
+            cio.write_container = kept
+
+    return run
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith(field + ":")).split()[1])
+
+
+def peak_rise_mb(fn) -> float | None:
+    """How far one call of ``fn`` raised this process's peak resident memory above where it began, in MB."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current resident size
+    except OSError:
+        return None
+    before = _status_kb("VmRSS")
+    fn()
+    return max(0.0, (_status_kb("VmHWM") - before) / 1e3)  # the status file's own reads can nudge VmRSS
+
+
 def bench_files(model: kvlab.LoadedModel, tokens: int, repeats: int) -> None:
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
@@ -138,6 +190,8 @@ def bench_files(model: kvlab.LoadedModel, tokens: int, repeats: int) -> None:
         "raw save_file": lambda: save_file(tensors, str(raw)),
         "raw save_file + fsync": raw_save_fsync,
         "save_cache": lambda: kvlab.save_cache(ours, cache, model),
+        "save_cache, library beside": lambda: save_cache_via(write_beside)(folder / "beside.kvcache", cache, model),
+        "save_cache, bytes route": lambda: save_cache_via(write_bytes)(folder / "bytes.kvcache", cache, model),
     }
     loads = {
         "raw load_file (lazy mmap)": lambda: load_file(str(raw)),
@@ -157,12 +211,19 @@ def bench_files(model: kvlab.LoadedModel, tokens: int, repeats: int) -> None:
                     fn()
                     times[k].append(time.perf_counter() - t0)
             med.update({k: statistics.median(v) for k, v in times.items()})
+        rise = {}
+        for k in saves:  # after the timings, so their figures are not disturbed
+            os.sync()
+            rise[k] = peak_rise_mb(saves[k])
         print(f"{len(cache.layers)} layers x {cache.get_seq_length()} tokens, {mb:.1f} MB; median of {repeats}")
         for k, t in med.items():
-            print(f"  {k:28s} {t * 1e3:8.1f} ms")
+            extra = f"  peak memory +{rise[k]:6.1f} MB" if rise.get(k) is not None else ""
+            print(f"  {k:28s} {t * 1e3:8.1f} ms{extra}")
         r = lambda a, b: med[a] / med[b]  # noqa: E731
         print(f"  save_cache / raw save_file                 {r('save_cache', 'raw save_file'):6.2f}x  (target <= 2)")
         print(f"  save_cache / raw save_file + fsync         {r('save_cache', 'raw save_file + fsync'):6.2f}x")
+        print(f"  save_cache / save_cache, library beside    {r('save_cache', 'save_cache, library beside'):6.2f}x")
+        print(f"  bytes route / raw save_file                {r('save_cache, bytes route', 'raw save_file'):6.2f}x")
         print(
             f"  load_cache / raw load_file + build cache   {r('load_cache', 'raw load_file + build cache'):6.2f}x  (target <= 2)"
         )

@@ -6,6 +6,11 @@ the old one or the new one, never a mix. A writer killed before the rename leave
 temporary behind; the name carries the writer's process id, so the next write of the same
 target removes those whose process is gone (:func:`remove_stale`), and ``kvlab inspect``
 lists them (:func:`stale_temporaries`).
+
+A library that takes a file name may make files of its own beside it (safetensors writes
+``.tmpXXXXXX`` and renames it over the name it was given). Such a writer gets a path inside a
+private folder that carries the temporary name (``atomic_path(..., private_folder=True)``), so
+whatever it leaves there when killed goes with the folder, under the same rule.
 """
 
 from __future__ import annotations
@@ -55,6 +60,18 @@ def default_mode() -> int:
 
 def _temp_name(path: Path) -> Path:
     return path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+
+
+def _hold(tmp: Path) -> bool:
+    """Record ``tmp`` as this process's before it is created; ``False`` if another write here holds it.
+
+    A write that drew a name another write of this process holds fails to create it, and must
+    then leave that write's record in place, or the other's temporary would look stale.
+    """
+    if tmp.name in _OURS:
+        return False
+    _OURS.add(tmp.name)
+    return True
 
 
 def temporary_of(path: Path) -> tuple[str, int] | None:
@@ -117,31 +134,57 @@ def _fsync(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_path(path: Path, *, mode: int | None = None) -> Iterator[Path]:
-    """A temporary path beside ``path`` for a writer that only takes a file name.
+def atomic_path(path: Path, *, mode: int | None = None, private_folder: bool = False) -> Iterator[Path]:
+    """A temporary path for a writer that only takes a file name.
 
     The body writes the whole file to the yielded path; on leaving, it is fsynced, given
     ``mode`` (default :func:`default_mode`), renamed over ``path``, and the folder is fsynced.
     If the body or any of these steps fails, the temporary is removed and ``path`` is left as
     it was. The temporary name is created exclusively (``O_EXCL``), so two writers never share it.
+
+    Parameters
+    ----------
+    path : Path
+        The target.
+    mode : int, optional
+        Permission bits of the result.
+    private_folder : bool
+        Yield ``<temporary folder>/<path's name>`` instead of a temporary file beside ``path``;
+        the folder is made ``0700`` under the temporary name and removed after the rename. For a
+        writer that makes files of its own beside the name it is given: a kill leaves them inside
+        the folder, which the next write of ``path`` removes with everything in it.
+
+    Yields
+    ------
+    Path
+        Where the body writes the file.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale(path)
     tmp = _temp_name(path)
-    _OURS.add(tmp.name)
+    mine = _hold(tmp)
     try:
-        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _CLOEXEC, 0o600))
+        if private_folder:
+            tmp.mkdir(mode=0o700)  # fails if the name exists: exclusive, as O_EXCL is for a file
+        out = tmp / path.name if private_folder else tmp
         try:
-            yield tmp
-            _fsync(tmp)
-            os.chmod(tmp, default_mode() if mode is None else mode)
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+            os.close(os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _CLOEXEC, 0o600))
+            try:
+                yield out
+                _fsync(out)
+                os.chmod(out, default_mode() if mode is None else mode)
+                os.replace(out, path)
+            except BaseException:
+                out.unlink(missing_ok=True)
+                raise
+        finally:
+            if private_folder:
+                # Also takes what the body's library left there when it failed.
+                shutil.rmtree(tmp, ignore_errors=True)
     finally:
-        _OURS.discard(tmp.name)
+        if mine:
+            _OURS.discard(tmp.name)
     fsync_dir(path.parent)
 
 
@@ -169,9 +212,14 @@ def atomic_dir(path: Path) -> Iterator[Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale(path)
     tmp = _temp_name(path)
-    _OURS.add(tmp.name)
+    mine = _hold(tmp)
     try:
-        tmp.mkdir()
+        tmp.mkdir()  # before the try below: a name another writer made is never removed
+    except BaseException:
+        if mine:
+            _OURS.discard(tmp.name)
+        raise
+    try:
         yield tmp
         for p in tmp.rglob("*"):
             if p.is_file():
@@ -183,7 +231,8 @@ def atomic_dir(path: Path) -> Iterator[Path]:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        _OURS.discard(tmp.name)
+        if mine:
+            _OURS.discard(tmp.name)
     fsync_dir(path.parent)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import torch
@@ -132,10 +133,43 @@ def _inspect(args) -> int:
     stale = stale_temporaries(path.parent, path.name)
     if stale:
         print(
-            f"  left over  {len(stale)} temporary file(s) of a save that died: {', '.join(p.name for p in stale)}; "
+            f"  left over  {len(stale)} temporary file(s) of a save that died: "
+            f"{', '.join(f'{_printable(p.name)} ({_size(_leftover_bytes(p))})' for p in stale)}; "
             "the next save of this file removes them"
         )
     return 0
+
+
+def _leftover_bytes(p) -> int:
+    """Bytes a leftover holds: a file's size, or the sum over a folder's files (links not followed)."""
+    try:
+        if not p.is_dir() or p.is_symlink():
+            return p.lstat().st_size
+        total = 0
+        for root, _, names in os.walk(p):
+            for n in names:
+                total += os.lstat(os.path.join(root, n)).st_size
+        return total
+    except OSError:  # removed meanwhile (a save of the same file)
+        return 0
+
+
+def _folder_holds(t) -> str:
+    """What a private temporary folder of a save holds, the library's own temporary named as such."""
+    from kvlab.files.format import is_library_temporary
+
+    if not t.is_dir() or t.is_symlink():
+        return ""
+    try:
+        inside = sorted(t.iterdir())
+    except OSError:
+        return ""
+    parts = [
+        f"{_printable(q.name)} ({_size(_leftover_bytes(q))}"
+        + (", the safetensors library's temporary)" if is_library_temporary(q) else ")")
+        for q in inside
+    ]
+    return f"; its folder holds {', '.join(parts)}" if parts else "; its folder is empty"
 
 
 def _printable(x) -> str:
@@ -154,7 +188,7 @@ def _inspect_folder(folder, model_name: str | None) -> int:
 
     from kvlab.atomic import stale_temporaries, temporary_of
     from kvlab.errors import CacheFileError, FingerprintMismatch
-    from kvlab.files.format import read_header, verify_file
+    from kvlab.files.format import is_library_temporary, read_header, stray_library_temporaries, verify_file
     from kvlab.files.io import load_cache
     from kvlab.models.sources import load_model
 
@@ -182,22 +216,48 @@ def _inspect_folder(folder, model_name: str | None) -> int:
         made = f"{_printable(h['model_name'])}, {h['length']} tokens at {h['start']}, {len(h['layers'])} layers, {h['dtype']}"
         rows.append((p, f"{made}: " + (f"intact, loads into {model.name}" if model else "intact")))
     stale = stale_temporaries(folder)
+    strays = stray_library_temporaries(folder)
+    lookalikes = [p for p in sorted(folder.iterdir()) if is_library_temporary(p) and p not in strays and p.is_file()]
     caches = sum(1 for _, what in rows if "intact" in what)
     print(
         f"{folder}: {caches} intact cache file(s), {len(rows) - caches} with a problem, "
-        f"{len(stale)} temporary file(s) left by saves that died" + (f", {other} other file(s)" if other else "")
+        f"{len(stale)} temporary file(s) left by saves that died"
+        + (f", {len(strays)} begun by the safetensors library for a kvlab save" if strays else "")
+        + (f", {other} other file(s)" if other else "")
     )
     width = max((len(p.name) for p, _ in rows), default=0)
     for p, what in rows:
         print(f"  {_printable(p.name):<{width}}  {_size(p.stat().st_size):>9}  {what}")
+
+    def when(t) -> str:
+        try:
+            return datetime.datetime.fromtimestamp(t.lstat().st_mtime).strftime("%Y-%m-%d %H:%M")
+        except OSError:  # removed meanwhile
+            return "(gone)"
+
     if stale:
         print("  left by saves that died (the next save of the same file removes them; or delete them):")
     for t in stale:
         target, pid = temporary_of(t)
-        when = datetime.datetime.fromtimestamp(t.lstat().st_mtime).strftime("%Y-%m-%d %H:%M")
-        size = _size(t.lstat().st_size) if t.is_file() else "a folder"
-        print(f"    {_printable(t.name)}  {size}  {when}: a save of {_printable(target)} by process {pid}, now gone")
-    return 1 if trouble or stale else 0
+        name = _printable(t.name) + ("/" if t.is_dir() and not t.is_symlink() else "")
+        print(
+            f"    {name}  {_size(_leftover_bytes(t))}  {when(t)}: a save of {_printable(target)} by process {pid}, "
+            f"now gone{_folder_holds(t)}"
+        )
+    if strays:
+        print(
+            "  begun by the safetensors library for a kvlab save and never renamed: an earlier kvlab let the library "
+            "write beside the cache file (kvlab never deletes these: their names do not say whether the save still "
+            "runs; delete them when none does):"
+        )
+    for t in strays:
+        print(f"    {_printable(t.name)}  {_size(_leftover_bytes(t))}  {when(t)}")
+    if lookalikes:
+        # An earlier kvlab's save killed before the library wrote its header leaves such a file
+        # too, but so may any program built on the same crate: listed, not counted.
+        shown = ", ".join(f"{_printable(t.name)} ({_size(_leftover_bytes(t))})" for t in lookalikes)
+        print(f"  named as the safetensors library names its temporaries, but with no kvlab header: {shown}")
+    return 1 if trouble or stale or strays else 0
 
 
 def _peers(args) -> int:

@@ -153,3 +153,58 @@ def test_atomic_dir_removes_its_temporary_on_failure(tmp_path):
             (tmp / "half").write_text("x")
             raise ValueError
     assert list(tmp_path.iterdir()) == [] and atomic._OURS == set()
+
+
+def test_a_private_folder_leaves_only_the_target_and_takes_what_a_library_left_in_it(tmp_path):
+    with atomic_path(tmp_path / "c.kvcache", private_folder=True) as tmp:
+        folder = tmp.parent
+        assert folder.parent == tmp_path and tmp.name == "c.kvcache" and tmp.exists()
+        assert temporary_of(folder) == ("c.kvcache", os.getpid()) and folder.stat().st_mode & 0o777 == 0o700
+        (folder / ".tmpAbC123").write_bytes(b"a library's own temporary")
+        tmp.write_bytes(b"new")
+        assert stale_temporaries(tmp_path) == []  # this process's own, in progress
+    assert (tmp_path / "c.kvcache").read_bytes() == b"new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.kvcache"] and atomic._OURS == set()
+    with pytest.raises(RuntimeError, match="boom"):
+        with atomic_path(tmp_path / "c.kvcache", private_folder=True) as tmp:
+            (tmp.parent / ".tmpDeF456").write_bytes(b"half")
+            raise RuntimeError("boom")
+    assert (tmp_path / "c.kvcache").read_bytes() == b"new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.kvcache"] and atomic._OURS == set()
+
+
+def test_a_dead_writers_private_folder_goes_with_what_it_holds_and_a_live_ones_stays(tmp_path, sleeper):
+    dead = tmp_path / f".c.kvcache.{dead_pid()}.0123abcd.tmp"
+    live = tmp_path / f".c.kvcache.{sleeper}.89abcdef.tmp"
+    for folder in (dead, live):
+        folder.mkdir()
+        (folder / ".tmpXyZ789").write_bytes(b"the library's half-written file")
+        (folder / "c.kvcache").write_bytes(b"")
+    users = tmp_path / ".tmpUsEr12"  # named like the library's, outside any kvlab name: never touched
+    users.write_bytes(b"someone else's")
+    assert stale_temporaries(tmp_path) == [dead]
+    atomic_write_bytes(tmp_path / "c.kvcache", b"new")
+    with atomic_path(tmp_path / "c.kvcache", private_folder=True) as tmp:
+        tmp.write_bytes(b"newer")
+    assert not dead.exists() and (live / ".tmpXyZ789").read_bytes() == b"the library's half-written file"
+    assert users.read_bytes() == b"someone else's"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([".tmpUsEr12", live.name, "c.kvcache"])
+
+
+def test_a_private_folder_is_made_exclusively(tmp_path, monkeypatch):
+    # Two writers of one process drawing the same name: the second fails and leaves the first's folder alone.
+    monkeypatch.setattr(atomic.secrets, "token_hex", lambda n: "0123abcd")
+    with atomic_path(tmp_path / "c", private_folder=True) as first:
+        first.write_bytes(b"first")
+        with pytest.raises(FileExistsError):
+            with atomic_path(tmp_path / "c", private_folder=True):
+                pass
+        with pytest.raises(FileExistsError):
+            with atomic_path(tmp_path / "c"):
+                pass
+        with pytest.raises(FileExistsError):
+            with atomic_dir(tmp_path / "c"):
+                pass
+        # Still this process's own, in progress: not removed as a dead writer's.
+        assert first.read_bytes() == b"first" and remove_stale(tmp_path / "c") == []
+    assert (tmp_path / "c").read_bytes() == b"first" and sorted(p.name for p in tmp_path.iterdir()) == ["c"]

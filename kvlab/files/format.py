@@ -110,7 +110,9 @@ def write_container(path: Path, tensors: list[tuple[str, torch.Tensor]], header:
             raise CacheFileError(f"tensor {name} is {t.dtype}; cache files hold float64/32/16 or bfloat16")
     meta = kvlab_metadata(header)
     try:
-        with atomic_path(path) as tmp:
+        # The library writes a temporary of its own beside the name it is given and renames
+        # it; in a private folder, what a kill leaves goes with the folder (kvlab.atomic).
+        with atomic_path(path, private_folder=True) as tmp:
             save_file({name: t.detach().contiguous() for name, t in tensors}, str(tmp), metadata=meta)
             _check_written(tmp, path)
     except OSError as e:
@@ -130,6 +132,62 @@ def _check_written(tmp: Path, path: Path) -> None:
             f"refusing to save {path}: its header would be {n} bytes for {data} bytes of tensors, more than "
             f"load_cache reads ({HEADER_FLOOR >> 10} KiB plus an eighth of the data); store long texts elsewhere"
         )
+
+
+#: How the safetensors library (Rust's ``tempfile`` crate) names the file it writes before
+#: renaming it over the name it was given.
+_LIBRARY_TEMP = re.compile(r"^\.tmp[A-Za-z0-9]{6}$")
+#: The start of a safetensors header whose metadata is a kvlab header: the library writes
+#: ``__metadata__`` first, and kvlab's holds only ``kvlab`` and ``kvlab_sha256``, in either order.
+_KVLAB_START = b'{"__metadata__":{"kvlab'
+
+
+def is_library_temporary(path: Path) -> bool:
+    """Whether ``path`` is named as the safetensors library names its temporary files (``.tmpXXXXXX``)."""
+    return bool(_LIBRARY_TEMP.match(Path(path).name))
+
+
+def stray_library_temporaries(folder: Path) -> list[Path]:
+    """Files in ``folder`` that the safetensors library began for a kvlab save and never renamed.
+
+    Named as the library names its temporaries, and starting with a safetensors header that
+    holds a kvlab header. kvlab now runs the library inside a private temporary folder
+    (:func:`write_container`), so these were left by an earlier kvlab, or belong to a save of
+    one still running: their names carry no process id, so kvlab lists them (``kvlab
+    inspect``) and never deletes them. A file the library had not yet begun to fill cannot be
+    told from anyone else's and is not listed.
+
+    Parameters
+    ----------
+    folder : Path
+
+    Returns
+    -------
+    list of Path
+        Sorted by name; empty if ``folder`` cannot be read.
+    """
+    out = []
+    try:
+        entries = list(Path(folder).iterdir())
+    except OSError:
+        return []
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    for p in entries:
+        if not is_library_temporary(p):
+            continue
+        try:  # O_NONBLOCK: a FIFO under such a name must not hang the listing
+            fd = os.open(p, flags)
+        except OSError:  # gone meanwhile, a link, or unreadable: not one to vouch for
+            continue
+        try:
+            head = os.pread(fd, 8 + len(_KVLAB_START), 0) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+        except OSError:
+            head = b""
+        finally:
+            os.close(fd)
+        if head[8:] == _KVLAB_START:
+            out.append(p)
+    return sorted(out)
 
 
 # --------------------------------------------------------------------------- reading
