@@ -50,8 +50,9 @@ from kvlab.measure.mismatch import VARIANT_KINDS, MismatchResult, mismatch_kl, v
 from kvlab.measure.probes import ProbeRead, read_probes
 from kvlab.measure.stats import CI, gap_closed_ci, holm, mean_ci, paired_diff_ci, paired_p, proportion_ci
 from kvlab.models.catalog import model_names
+from kvlab.models.layout import layer_ropes
 from kvlab.models.loaded import DEFAULT_MODEL, LoadedModel
-from kvlab.models.rope import layer_ropes, rotate_keys
+from kvlab.models.rope import rotate_keys
 from kvlab.models.sources import load_gguf_file, load_model, wrap
 from kvlab.sweep.study import load_study
 

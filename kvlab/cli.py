@@ -20,14 +20,20 @@ def _models(args) -> int:
             print(f"{name}: ready in {folder}")
         return 0
     rows = model_rows()
-    head = f"{'name':<14} {'family':<10} {'layers':>6} {'kv heads':>8} {'head_dim':>8}  {'rope':<40} {'cached':<8}"
-    print(head)
-    print("-" * len(head))
+    columns = [
+        ("name", "name", "<"),
+        ("family", "family", "<"),
+        ("layers", "layers", ">"),
+        ("kv_heads", "kv heads", ">"),
+    ]
+    columns += [("head_dim", "head_dim", ">"), ("rope", "rope", "<"), ("cached", "cached", "<")]
+    # Each column as wide as its longest cell, so a long rope summary never pushes a row out of line.
+    widths = [max(len(title), *(len(str(r[key])) for r in rows)) for key, title, _ in columns]
+    head = "  ".join(f"{title:{align}{w}}" for (_, title, align), w in zip(columns, widths))
+    print(head.rstrip())
+    print("-" * len(head.rstrip()))
     for r in rows:
-        print(
-            f"{r['name']:<14} {r['family']:<10} {r['layers']:>6} {r['kv_heads']:>8} {r['head_dim']:>8}  "
-            f"{r['rope']:<40} {r['cached']:<8}"
-        )
+        print("  ".join(f"{str(r[key]):{align}{w}}" for (key, _, align), w in zip(columns, widths)).rstrip())
     return 0
 
 

@@ -19,7 +19,7 @@ from kvlab.cache.recompute.inputs import attention_mask
 from kvlab.cache.recompute.strategy import Recompute
 from kvlab.cache.strategies import KeyRotator, Rerotate, Strategy, concat_layers
 from kvlab.errors import MergeError
-from kvlab.models.rope import layer_ropes
+from kvlab.models.layout import layer_ropes
 
 
 def assigned_merge(fragments: list[Fragment]) -> DynamicCache:
@@ -153,7 +153,7 @@ class RerotateOnly(Strategy):
             else:
                 out.copy_(k)
 
-        return concat_layers(fragments, landings, write)
+        return concat_layers(fragments, landings, write, rotate.slots)
 
 
 def _layer_types(model, layer_type: str) -> list[str]:

@@ -13,8 +13,9 @@ import torch
 from transformers import DynamicCache
 
 from kvlab.errors import MergeError, UnsupportedRopeError
+from kvlab.models.layout import layer_ropes
 from kvlab.models.loaded import LoadedModel
-from kvlab.models.rope import check_composable, check_positions, layer_ropes, longrope_inv_freq, rotation
+from kvlab.models.rope import HALF, Pairing, check_composable, check_positions, longrope_inv_freq, rotation
 
 #: Tokens turned per step: the fp32 working copy stays in cache (about 1 MB at 8 KV heads x 128 dims).
 CHUNK = 256
@@ -79,30 +80,35 @@ def shift_(cache: DynamicCache, offset: int, model: LoadedModel, *, start: int =
     if offset == 0:
         return cache
     tables: dict = {}
-    for li, layer in enumerate(cache.layers):
-        keys = layer.keys
+    for li, (layer, rope) in enumerate(zip(cache.layers, ropes)):
+        if rope.nope:
+            continue
+        keys = getattr(layer, rope.slot)
         work = torch.float64 if keys.dtype == torch.float64 else torch.float32
-        key = (id(freqs[li]), keys.device, work)
+        key = (id(freqs[li]), rope.pairing, keys.device, work)
         if key not in tables:
-            tables[key] = rotation(freqs[li], offset, work, keys.device)
-        _turn_(keys, *tables[key])
+            tables[key] = rotation(freqs[li], offset, work, keys.device, rope.pairing)
+        _turn_(keys, *tables[key], rope.pairing)
     return cache
 
 
-def _turn_(keys: torch.Tensor, cos2: torch.Tensor, sin: torch.Tensor) -> None:
-    """``keys[..., :r]`` (``[batch, heads, n, head_dim]``) rotated in place, chunk by chunk, in ``cos2``'s dtype.
+def _turn_(keys: torch.Tensor, cos2: torch.Tensor, sin: torch.Tensor, pairing: Pairing = HALF) -> None:
+    """The rotary dims of ``keys`` (``[batch, heads, n, dim]``) rotated in place, chunk by chunk, in ``cos2``'s dtype.
 
     The same operations, in the same order, as :func:`kvlab.models.rope.apply_rotation`, so a shift
     and a ``rerotate`` of the same keys agree bit for bit.
     """
-    half = sin.shape[-1]
-    r = 2 * half
-    if r > keys.shape[-1]:
-        raise UnsupportedRopeError(f"rotary_dim {r} exceeds head_dim {keys.shape[-1]}")
+    r = 2 * sin.shape[-1]
+    if pairing.offset + r > keys.shape[-1]:
+        raise UnsupportedRopeError(
+            f"rotary dims {pairing.offset}..{pairing.offset + r - 1} exceed head_dim {keys.shape[-1]}"
+        )
+    local = Pairing(0, pairing.interleaved)
     for a in range(0, keys.shape[-2], CHUNK):
-        part = keys[..., a : a + CHUNK, :r]
+        part = pairing.span(keys[..., a : a + CHUNK, :], r)
         x = part.to(cos2.dtype, copy=True)
         o = x * cos2
-        o[..., :half].addcmul_(x[..., half:], sin, value=-1)
-        o[..., half:].addcmul_(x[..., :half], sin)
+        (o1, o2), (x1, x2) = local.split(o, r), local.split(x, r)
+        o1.addcmul_(x2, sin, value=-1)
+        o2.addcmul_(x1, sin)
         part.copy_(o)

@@ -16,8 +16,9 @@ from transformers import DynamicCache
 
 from kvlab.cache.fragments import Fragment, clone_cache, joined_prefill, new_cache, set_length
 from kvlab.errors import MergeError
+from kvlab.models.layout import layer_ropes
 from kvlab.models.loaded import LoadedModel
-from kvlab.models.rope import apply_rotation, check_composable, layer_ropes, longrope_inv_freq, rotation
+from kvlab.models.rope import apply_rotation, check_composable, longrope_inv_freq, rotation
 
 STRATEGIES: dict[str, type[Strategy]] = {}
 
@@ -53,13 +54,15 @@ class Strategy(ABC):
         return (cls.__doc__ or "").strip().splitlines()[0]
 
 
-def concat_layers(fragments: list[Fragment], landings: list[int], write_keys) -> DynamicCache:
+def concat_layers(fragments: list[Fragment], landings: list[int], write_keys=None, slots=None) -> DynamicCache:
     """Concatenate fragments layer by layer, through ``cache.update``.
 
-    ``write_keys(keys, layer_idx, fragment, landing, out)`` fills ``out`` (a slice of the
-    merged key tensor, same shape as ``keys``). Sliding-window layers get only the tokens a
-    real prefill of the merged length would keep (the last ``window - 1``), and their
-    length counts every merged token.
+    ``write_keys(x, layer_idx, fragment, landing, out)`` fills ``out`` (a slice of the merged
+    tensor, same shape as ``x``) from the fragment's phase-carrying tensor ``x``: the keys, or
+    the values where ``slots[layer_idx] == "values"`` (transformers caches multi-head latent
+    attention's rotary key there). The other tensor is copied, as is everything when
+    ``write_keys`` is ``None``. Sliding-window layers get only the tokens a real prefill of the
+    merged length would keep (the last ``window - 1``), and their length counts every merged token.
     """
     total = landings[-1] + fragments[-1].length
     merged = new_cache(fragments[0].config)
@@ -68,24 +71,33 @@ def concat_layers(fragments: list[Fragment], landings: list[int], write_keys) ->
         first_kept = total - (layer0.sliding_window - 1) if layer0.is_sliding else 0
         pieces = []
         for f, land in zip(fragments, landings):
-            k = f.cache.layers[li].keys
-            kept = k.shape[-2]
+            kept = f.cache.layers[li].keys.shape[-2]
             slot0 = land + f.length - kept  # merged slot of the first token this layer kept
             skip = max(0, first_kept - slot0)
             if skip < kept:
                 pieces.append((f, land, skip))
-        n = sum(f.cache.layers[li].keys.shape[-2] - skip for f, _, skip in pieces)
-        k0 = layer0.keys
-        K = torch.empty(k0.shape[0], k0.shape[1], n, k0.shape[3], dtype=k0.dtype, device=k0.device)
-        at = 0
-        for f, land, skip in pieces:
-            k = f.cache.layers[li].keys[..., skip:, :]
-            write_keys(k, li, f, land, K[..., at : at + k.shape[-2], :])
-            at += k.shape[-2]
-        V = torch.cat([f.cache.layers[li].values[..., skip:, :] for f, _, skip in pieces], dim=-2)
+        turned = (slots[li] if slots is not None else "keys") if write_keys is not None else None
+        K = _joined(pieces, li, "keys", write_keys if turned == "keys" else None)
+        V = _joined(pieces, li, "values", write_keys if turned == "values" else None)
         merged.update(K, V, li)
         set_length(merged.layers[li], total)
     return merged
+
+
+def _joined(pieces: list, li: int, slot: str, write) -> torch.Tensor:
+    """``[batch, heads, n, dim]``: the kept tokens of ``slot`` at layer ``li`` of every piece, in order."""
+    parts = [getattr(f.cache.layers[li], slot)[..., skip:, :] for f, _, skip in pieces]
+    if write is None:
+        return torch.cat(parts, dim=-2)
+    x0 = parts[0]
+    out = torch.empty(
+        x0.shape[0], x0.shape[1], sum(x.shape[-2] for x in parts), x0.shape[3], dtype=x0.dtype, device=x0.device
+    )
+    at = 0
+    for (f, land, _), x in zip(pieces, parts):
+        write(x, li, f, land, out[..., at : at + x.shape[-2], :])
+        at += x.shape[-2]
+    return out
 
 
 @register("naive")
@@ -99,7 +111,7 @@ class Naive(Strategy):
     """
 
     def __call__(self, fragments, landings, model=None):
-        return concat_layers(fragments, landings, lambda k, li, f, land, out: out.copy_(k))
+        return concat_layers(fragments, landings)
 
 
 @register("fail")
@@ -147,33 +159,40 @@ class Rerotate(Strategy):
     needs_model: ClassVar[bool] = True
 
     def __call__(self, fragments, landings, model):
-        return concat_layers(fragments, landings, KeyRotator(model, fragments, landings))
+        rotator = KeyRotator(model, fragments, landings)
+        return concat_layers(fragments, landings, rotator, rotator.slots)
 
 
 class KeyRotator:
-    """Writes a fragment's keys turned from its own positions to where it lands.
+    """Writes a fragment's phase-carrying tensor turned from its own positions to where it lands.
 
-    The key writer of :func:`concat_layers` for :class:`Rerotate`, shared with the
-    ``recompute`` strategy. Layers of one type share a frequency tensor, so each
-    (frequencies, shift) rotation is built once per merge, not once per layer (it
-    dominates short merges otherwise). Refuses schedules that do not compose.
+    The writer of :func:`concat_layers` for :class:`Rerotate`, shared with the ``recompute``
+    strategy. It follows each layer's layout (:class:`~kvlab.models.rope.LayerRope`): its
+    pairing, the slot that carries the phase (:attr:`slots`), and NoPE layers, which it
+    copies. Layers of one type share a frequency tensor, so each (frequencies, shift) rotation
+    is built once per merge, not once per layer (it dominates short merges otherwise). Refuses
+    schedules that do not compose.
     """
 
     def __init__(self, model: LoadedModel, fragments: list[Fragment], landings: list[int]):
+        self.ropes = layer_ropes(model.model)
         self.inv_freqs = rerotation_frequencies(model, fragments, landings)
+        #: Per layer, the tensor that carries the phase (``keys`` or ``values``).
+        self.slots = [r.slot for r in self.ropes]
         self._rotations: dict = {}
 
     def __call__(self, k: torch.Tensor, li: int, f: Fragment, land: int, out: torch.Tensor) -> None:
-        """Write ``k`` (``[batch, kv_heads, n, head_dim]``, layer ``li`` of ``f``) rotated to ``land`` into ``out``."""
+        """Write ``k`` (``[batch, heads, n, dim]``, layer ``li``'s phase slot of ``f``) turned to ``land`` into ``out``."""
         delta = land - f.start
-        if delta == 0:
+        rope = self.ropes[li]
+        if delta == 0 or rope.nope:
             out.copy_(k)
             return
         inv_freq = self.inv_freqs[li]
-        key = (id(inv_freq), delta, k.dtype, k.device)
+        key = (id(inv_freq), rope.pairing, delta, k.dtype, k.device)
         if key not in self._rotations:
-            self._rotations[key] = rotation(inv_freq, delta, k.dtype, k.device)
-        apply_rotation(k, *self._rotations[key], out=out)
+            self._rotations[key] = rotation(inv_freq, delta, k.dtype, k.device, rope.pairing)
+        apply_rotation(k, *self._rotations[key], out=out, pairing=rope.pairing)
 
 
 def rerotation_frequencies(model: LoadedModel, fragments: list[Fragment], landings: list[int]) -> list[torch.Tensor]:

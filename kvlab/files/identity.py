@@ -35,7 +35,7 @@ from kvlab.models.digests import (
     write_folder_cache,
 )
 from kvlab.models.digests import canonical_json as _canonical
-from kvlab.models.rope import layer_ropes
+from kvlab.models.layout import cache_dims, layer_ropes
 
 #: Fields whose difference refuses a cache file (docs/cache-files.md says why).
 STRICT_FIELDS = (
@@ -156,7 +156,8 @@ def cache_geometry(model) -> dict:
     dict
         ``num_layers``; ``layer_types`` (``full_attention`` / ``sliding_attention`` per
         layer, as ``DynamicCache(config=...)`` builds them); ``kv_heads``; ``head_dim``
-        (keys and values are ``[batch, kv_heads, kept, head_dim]``); ``sliding_window``
+        (keys and values are ``[batch, kv_heads, kept, head_dim]``); ``value_dim`` only where
+        values are another width (latent attention: see :func:`kvlab.models.layout.cache_dims`); ``sliding_window``
         (``None`` without sliding layers); ``rope``: per layer type, the rope type,
         rotary_dim, attention scaling and the config's rope parameters (``None`` for a
         model without rotary embeddings).
@@ -165,9 +166,7 @@ def cache_geometry(model) -> dict:
     layers = new_cache(model.config).layers
     types = ["sliding_attention" if layer.is_sliding else "full_attention" for layer in layers]
     windows = sorted({int(layer.sliding_window) for layer in layers if layer.is_sliding})
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads, head_dim, value_dim = cache_dims(config)
     try:
         ropes = layer_ropes(model.model)
     except Exception:  # noqa: BLE001 - no rotary module: a model without RoPE
@@ -183,14 +182,18 @@ def cache_geometry(model) -> dict:
             entry = {k: v for k, v in p.items() if isinstance(v, (int, float, str, list, type(None)))}
             entry.update(rope_type=r.rope_type, rotary_dim=r.rotary_dim, attention_scaling=float(r.attention_scaling))
             rope[r.layer_type] = entry
-    return {
+    geo = {
         "num_layers": len(layers),
         "layer_types": types,
-        "kv_heads": int(kv_heads),
-        "head_dim": int(head_dim),
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
         "sliding_window": (windows[0] if len(windows) == 1 else windows) if windows else None,
         "rope": rope,
     }
+    if value_dim != head_dim:
+        # Only where they differ (a latent-attention cache), so every other fingerprint stays as it was.
+        geo["value_dim"] = value_dim
+    return geo
 
 
 def _geometry_cached(model, config_sha: str) -> dict:
@@ -451,6 +454,10 @@ def compare(file_fp, live_fp: dict) -> list[Difference]:
                 ga, gb = a.get(g, _MISSING), b.get(g)
                 if ga is _MISSING or _canonical(ga) != _canonical(gb):
                     out.append(Difference(f"geometry.{g}", ga, gb))
+            # Present only where values are narrower than keys (latent attention): absent on both sides is equal.
+            va, vb = a.get("value_dim"), b.get("value_dim")
+            if _canonical(va) != _canonical(vb):
+                out.append(Difference("geometry.value_dim", va, vb))
             continue
         if a is _MISSING or _canonical(a) != _canonical(b):
             out.append(Difference(field, a, b))

@@ -126,8 +126,9 @@ def _check_producer(frag: Fragment, model: LoadedModel, producer: dict) -> None:
         if kind != geo["layer_types"][i]:
             raise FingerprintMismatch(f"{where}: layer {i} is {kind}, the model's is {geo['layer_types'][i]}")
         k, v = layer.keys, layer.values
-        want = [k.shape[0], geo["kv_heads"], k.shape[2], geo["head_dim"]]
+        wants = {what: [k.shape[0], geo["kv_heads"], k.shape[2], dim] for what, dim in _dims(geo).items()}
         for what, t in (("keys", k), ("values", v)):
+            want = wants[what]
             if t.ndim != 4 or list(t.shape) != want:
                 raise FingerprintMismatch(f"{where}: layer {i} {what} are {list(t.shape)}, the model makes {want}")
             if t.dtype != model.dtype:
@@ -267,9 +268,9 @@ def _fit(layout: Layout, model: LoadedModel, live: dict) -> list[str]:
                 f"layer {i} is {L['type']} (window {L['window']}) in the file, {kind} (window {window}) in {model.name}"
             )
             continue
-        for what in ("keys", "values"):
+        for what, dim in _dims(geo).items():
             s = L[what]
-            want = [s[0], geo["kv_heads"], s[2], geo["head_dim"]]
+            want = [s[0], geo["kv_heads"], s[2], dim]
             if s != want:
                 out.append(f"layer {i} {what} are {s} in the file, {model.name} needs {want}")
     text_config = model.config.get_text_config()
@@ -439,3 +440,8 @@ def _mismatch_message(path: Path, model: LoadedModel, diffs: list[Difference], h
         "A KV cache is valid only for the weights, tokenizer and dtype that computed it. Rebuild it from its "
         "source text (kvlab.prefill), or pass strict=False to load it anyway with a warning."
     )
+
+
+def _dims(geo: dict) -> dict[str, int]:
+    """The last dimension of a layer's keys and of its values, as a fingerprint's geometry says."""
+    return {"keys": geo["head_dim"], "values": geo.get("value_dim", geo["head_dim"])}

@@ -34,8 +34,8 @@ from kvlab.measure.metrics import (
     phase_error,
     weighted_phase_error,
 )
+from kvlab.models.layout import layer_types
 from kvlab.models.loaded import DEFAULT_MODEL, LoadedModel
-from kvlab.models.rope import layer_types
 from kvlab.models.sources import load_model
 
 #: How many fragments the explorer merges, at least and at most.

@@ -48,6 +48,7 @@ from kvlab.measure.case import DEFAULT_PROBES, Case
 from kvlab.measure.metrics import (
     REL_KEY_NOISE,
     kl_divergence,
+    kv_diff,
     next_token_kl,
     phase_beyond_rounding,
     phase_error,
@@ -56,8 +57,9 @@ from kvlab.measure.metrics import (
 from kvlab.measure.mismatch import variants
 from kvlab.measure.probes import read_probes
 from kvlab.measure.references import phase_reference
+from kvlab.models.layout import emits, find_rotary_module, layer_ropes
 from kvlab.models.loaded import LoadedModel
-from kvlab.models.rope import check_composable, find_rotary_module, layer_ropes, longrope_inv_freq
+from kvlab.models.rope import check_composable, longrope_inv_freq
 
 #: Version of the certificate's JSON layout.
 CERTIFICATE_VERSION = 1
@@ -220,10 +222,26 @@ def _limit(model: LoadedModel) -> int:
     return model.config.get_text_config().max_position_embeddings
 
 
-def _by_type(phases) -> dict[str, list]:
-    out: dict[str, list] = {}
-    for p in phases:
-        out.setdefault(p.layer_type, []).append(p)
+def _beyond_by_kind(cache, ref, phases, floor: float = REL_KEY_NOISE) -> dict[str, float]:
+    """Per layer kind (``full_attention``, ``... (NoPE)``), the worst error in units of rounding.
+
+    A rotary layer's is its phase (:func:`phase_beyond_rounding`). A NoPE layer has no phase to
+    be wrong: its cached tensors must not move at all, so its error is the elementwise one,
+    ``max |T - T_ref| / max |T_ref|`` over both slots, over ``floor``.
+    """
+    out: dict[str, float] = {}
+    diffs = kv_diff(cache, ref) if any(p.nope for p in phases) else None
+    for li, p in enumerate(phases):
+        if p.nope:
+            ref_layer = ref.layers[li]
+            rel = max(
+                float(diffs[li].k.max()) / max(float(ref_layer.keys.abs().max()), 1e-30),
+                float(diffs[li].v.max()) / max(float(ref_layer.values.abs().max()), 1e-30),
+            )
+            value = rel / floor
+        else:
+            value = phase_beyond_rounding([p], floor)
+        out[p.kind] = max(out.get(p.kind, 0.0), value)
     return out
 
 
@@ -261,10 +279,10 @@ def _rotation(model: LoadedModel) -> list[Line]:
             continue
         done.append(dst)
         phases = [dataclasses.replace(p, positions=p.positions + dst) for p in phase_error(moved, at_dst, model)]
-        for lt, ps in _by_type(phases).items():
-            worst[lt] = max(worst.get(lt, 0.0), phase_beyond_rounding(ps))
+        for lt, w in _beyond_by_kind(moved, at_dst, phases).items():
+            worst[lt] = max(worst.get(lt, 0.0), w)
         rel = max(rel, rel_key_error(moved, at_dst))
-    types = sorted({r.layer_type for r in ropes})
+    types = sorted({r.kind for r in ropes})
     scope = f"offsets 1..{limit - 1} ({len(_offsets(limit))})"
     if not done:
         return [
@@ -294,8 +312,13 @@ def _exact_twin(model: LoadedModel) -> LoadedModel:
     ``position * inv_freq`` in float64 from the model's own (float32) frequencies.
     """
     module = copy.deepcopy(model.model).double()
-    ropes = {r.layer_type: r for r in layer_ropes(model.model)}
+    if getattr(module.config, "_experts_implementation", None) not in (None, "eager"):
+        # Mixture-of-experts kernels (grouped_mm) take no float64; the plain loop over experts does.
+        module.config._experts_implementation = "eager"
+    # NoPE layers take no angle; every rotating layer type has its own frequencies.
+    ropes = {r.layer_type: r for r in layer_ropes(model.model) if not r.nope}
     only = next(iter(ropes.values()))
+    form = emits(model.config)
 
     def forward(x, position_ids, layer_type=None, *args, **kwargs):
         rope = ropes.get(layer_type, only)
@@ -305,8 +328,14 @@ def _exact_twin(model: LoadedModel) -> LoadedModel:
                 model.model, rope, int(position_ids.max()) + 1 > rope.original_max_position_embeddings
             )
         freqs = position_ids[..., None].double() * inv.to(x.device, torch.float64)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * rope.attention_scaling).to(x.dtype), (emb.sin() * rope.attention_scaling).to(x.dtype)
+        s = rope.attention_scaling
+        # Handed to the attention in the form the family's own rotary module uses.
+        if form == "sincos":
+            return freqs.sin().to(x.dtype), freqs.cos().to(x.dtype)
+        if form == "complex":
+            return torch.polar(torch.full_like(freqs, s), freqs)
+        emb = freqs.repeat_interleave(2, dim=-1) if form == "interleave" else torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * s).to(x.dtype), (emb.sin() * s).to(x.dtype)
 
     find_rotary_module(module).forward = forward
     return dataclasses.replace(model, model=module)
@@ -345,8 +374,8 @@ def _rerotate_phase(model: LoadedModel, ids: _TokenSource, lengths: tuple[int, .
         floors.append(own)
         landed.append(rel_key_error(phase_reference(model, frags), exact))
         for cache, out in ((merged, worst), (merge(frags, "naive", model), naive)):
-            for lt, ps in _by_type(phase_error(cache, exact, model)).items():
-                out[lt] = max(out.get(lt, 0.0), phase_beyond_rounding(ps, floor))
+            for lt, w in _beyond_by_kind(cache, exact, phase_error(cache, exact, model), floor).items():
+                out[lt] = max(out.get(lt, 0.0), w)
     del twin
     scope = "2 x " + "/".join(map(str, lengths)) + " tokens"
     show = lambda xs: ", ".join(f"{x:.2g}" for x in xs)  # noqa: E731

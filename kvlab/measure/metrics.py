@@ -20,8 +20,8 @@ import torch
 from transformers import DynamicCache
 
 from kvlab.measure.probes import read_probes
+from kvlab.models.layout import layer_ropes
 from kvlab.models.loaded import LoadedModel
-from kvlab.models.rope import layer_ropes
 
 
 @dataclass
@@ -125,8 +125,8 @@ class LayerPhase:
     positions : torch.Tensor
         ``[T]``.
     angle : torch.Tensor
-        ``[kv_heads, T, rotary_dim // 2]`` in radians, in ``[0, pi]``; pair ``i`` is
-        dimensions ``(i, i + rotary_dim/2)`` at frequency ``inv_freq[i]``. NaN where the pair
+        ``[kv_heads, T, rotary_dim // 2]`` in radians, in ``[0, pi]``; pair ``i`` (in the layer's pairing) is
+        those two dimensions at frequency ``inv_freq[i]``. NaN where the pair
         is masked (see :func:`phase_error`).
     norm : torch.Tensor
         ``[kv_heads, T, rotary_dim // 2]`` the smaller of the two pairs' Euclidean norms.
@@ -138,6 +138,9 @@ class LayerPhase:
     layer_type : str
     key_scale : float
         ``max |K_ref|`` over the layer, the scale of its rounding noise.
+    nope : bool
+        A layer without rotary embedding: no pairs (``rotary_dim`` 0), so no phase to be wrong.
+        Its context error still shows in :func:`kv_diff`.
     """
 
     positions: torch.Tensor
@@ -147,6 +150,12 @@ class LayerPhase:
     norm: torch.Tensor
     weight: torch.Tensor
     key_scale: float
+    nope: bool = False
+
+    @property
+    def kind(self) -> str:
+        """The layer type, marked ``(NoPE)`` on a layer without rotary embedding, for labels."""
+        return f"{self.layer_type} (NoPE)" if self.nope else self.layer_type
 
     @property
     def masked(self) -> torch.Tensor:
@@ -182,10 +191,12 @@ def phase_error(
     """
     out = []
     for li, rope in enumerate(layer_ropes(model.model)):
-        pos, k, kr, _, _ = _aligned(cache, ref, li)
-        h = rope.inv_freq.numel()
-        x1, x2 = k[..., :h].double(), k[..., h : 2 * h].double()
-        y1, y2 = kr[..., :h].double(), kr[..., h : 2 * h].double()
+        pos, k, kr, v, vr = _aligned(cache, ref, li)
+        if rope.slot == "values":
+            k, kr = v, vr
+        r = rope.rotary_dim
+        x1, x2 = (t.double() for t in rope.pairing.split(k, r))
+        y1, y2 = (t.double() for t in rope.pairing.split(kr, r))
         angle = torch.atan2((x1 * y2 - x2 * y1).abs(), x1 * y1 + x2 * y2)
         nx, ny = torch.hypot(x1, x2), torch.hypot(y1, y2)
         rms = float(ny.pow(2).mean().sqrt()) if ny.numel() else 0.0
@@ -202,6 +213,7 @@ def phase_error(
                 norm=norm.float().cpu(),
                 weight=(nx * ny).float().cpu(),
                 key_scale=float(kr.abs().max()) if kr.numel() else 0.0,
+                nope=rope.nope,
             )
         )
     return out

@@ -32,8 +32,9 @@ from transformers import DynamicCache
 from kvlab.cache.fragments import tokenize
 from kvlab.errors import MergeError
 from kvlab.measure.room import CONTINUATION, DEAD, DRAFT, PROBE, ProbeCache, Slots, masks
+from kvlab.models.layout import layer_ropes
 from kvlab.models.loaded import LoadedModel
-from kvlab.models.rope import CONDITIONAL_ROPE_TYPES, check_positions, layer_ropes
+from kvlab.models.rope import CONDITIONAL_ROPE_TYPES, check_positions
 
 #: Query tokens per forward pass (the probes and continuations of one group of probes). Bounds
 #: the mask (``[tokens, T + tokens]`` floats) and the rows of logits read at once; more groups cost

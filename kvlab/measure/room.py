@@ -20,8 +20,8 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvlab.errors import MergeError
+from kvlab.models.layout import layer_types
 from kvlab.models.loaded import LoadedModel
-from kvlab.models.rope import layer_types
 
 #: What a slot after the past holds, for :func:`visible`: the probe or a greedy token (seen by
 #: every later token of its probe), a continuation or a draft token (seen by later tokens of the

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from kvlab.models.gguf import GGUF_MODELS, converted_dir
+from kvlab.models.layout import layer_types, layout_tags
 from kvlab.models.loaded import quiet_transformers
-from kvlab.models.rope import layer_types
 from kvlab.models.tiny import TINY_CONFIGS
 
 
@@ -14,14 +14,17 @@ def model_names() -> list[str]:
 
 
 def _rope_summary(config) -> str:
-    params = config.rope_parameters
+    # GPT-J keeps no rope parameters: its fixed base lives in its sin/cos table.
+    params = getattr(config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}
     if all(isinstance(v, dict) for v in params.values()):
-        return ", ".join(
+        s = ", ".join(
             f"{lt.split('_')[0]}:{p.get('rope_type', 'default')} {p.get('rope_theta'):g}" for lt, p in params.items()
         )
-    extra = params.get("partial_rotary_factor")
-    s = f"{params.get('rope_type', 'default')} {params.get('rope_theta'):g}"
-    return s + (f" partial {extra:g}" if extra not in (None, 1.0) else "")
+    else:
+        extra = params.get("partial_rotary_factor")
+        s = f"{params.get('rope_type', 'default')} {params.get('rope_theta'):g}"
+        s += f" partial {extra:g}" if extra not in (None, 1.0) else ""
+    return s + "".join(f", {tag}" for tag in layout_tags(config))
 
 
 def _row(name: str, config, cached: str) -> dict:

@@ -1,10 +1,15 @@
 """Rotary position embedding, read from the model's own rotary module.
 
 A cached key of the token at position ``m`` is ``s * R(m) k`` with ``R(m)`` the block
-rotation by angles ``m * inv_freq`` (HF pairs dimension ``i`` with ``i + r/2``,
-``rotate_half``) and ``s`` the module's ``attention_scaling``. Because
+rotation by angles ``m * inv_freq`` and ``s`` the module's ``attention_scaling``. Because
 ``R(a) R(b) = R(a + b)``, moving a key by ``d`` positions is an exact re-phasing:
 multiply by the *unscaled* ``R(d)`` (the scale is already in the key, once).
+
+Where the rotary dimensions sit is the layer's :class:`Pairing`: most of HF pairs
+dimension ``i`` with ``i + r/2`` (``rotate_half``); Cohere, GLM and GPT-J pair ``2i`` with
+``2i + 1``; multi-head latent attention rotates a slice of the cached tensor starting at an
+offset. A layer with no rotary dimensions at all (SmolLM3's NoPE layers) has an empty
+``inv_freq`` and is never turned. :mod:`kvlab.models.layout` says which layer is which.
 """
 
 from __future__ import annotations
@@ -38,9 +43,11 @@ def rope_problem(params: dict) -> str | None:
     rope_type = params.get("rope_type", "default")
     if "mrope_section" in params:
         return (
-            f"rope_type {rope_type!r} with mrope_section {params['mrope_section']}: multimodal rope splits each key "
-            "into sections rotated by separate (temporal, height, width) positions, so a shift of the token "
-            "position alone is not a rotation kvlab can compute"
+            f"rope_type {rope_type!r} with mrope_section {params['mrope_section']} (M-RoPE): each key's frequency "
+            "sections turn by a separate temporal, height and width position. Moving all three by the same d is a "
+            "plain rotation, but where a fragment lands is not its token count once it holds an image (a picture "
+            "advances the positions by its grid), and transformers builds these models only for image-text "
+            "generation, with 3-D positions from the processor; kvlab drives causal LMs with 1-D positions"
         )
     if rope_type not in STATIC_ROPE_TYPES | CONDITIONAL_ROPE_TYPES:
         return (
@@ -49,6 +56,47 @@ def rope_problem(params: dict) -> str | None:
             "rotations compose (R(a) R(b) = R(a + b)), which every re-rotation relies on"
         )
     return None
+
+
+@dataclass(frozen=True)
+class Pairing:
+    """Which dimensions of a cached ``[..., head_dim]`` tensor form each rotary pair.
+
+    Attributes
+    ----------
+    offset : int
+        First rotary dimension (0 but for layouts that put a position-free part first).
+    interleaved : bool
+        Pairs ``(offset + 2i, offset + 2i + 1)`` (Cohere, GLM, GPT-J) instead of
+        ``(offset + i, offset + i + r/2)`` (``rotate_half``, most of HF).
+    """
+
+    offset: int = 0
+    interleaved: bool = False
+
+    def span(self, x: torch.Tensor, r: int) -> torch.Tensor:
+        """``[..., r]`` view of the rotary dimensions of ``x`` (``[..., head_dim]``)."""
+        return x[..., self.offset : self.offset + r]
+
+    def split(self, x: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The two members of every pair: ``[..., r/2]`` views of ``x`` (``[..., head_dim]``), pair ``i`` at ``i``."""
+        a, h = self.offset, r // 2
+        if self.interleaved:
+            return x[..., a : a + r : 2], x[..., a + 1 : a + r : 2]
+        return x[..., a : a + h], x[..., a + h : a + r]
+
+    def spread(self, c: torch.Tensor) -> torch.Tensor:
+        """``[..., r/2]`` per-pair values laid out over the ``r`` rotary dimensions, ``[..., r]``."""
+        return c.repeat_interleave(2, dim=-1) if self.interleaved else torch.cat([c, c], dim=-1)
+
+    def describe(self, r: int) -> str:
+        kind = "interleaved pairs (2i, 2i+1)" if self.interleaved else "pairs (i, i + r/2)"
+        where = f"dims {self.offset}..{self.offset + r - 1}" if self.offset else f"first {r} dims"
+        return f"{kind}, {where}"
+
+
+#: ``rotate_half`` over the first rotary dims: the layout of most of HF.
+HALF = Pairing()
 
 
 @dataclass(frozen=True)
@@ -67,6 +115,11 @@ class LayerRope:
         Factor multiplied into cos and sin by the model (so into every cached key, once).
     original_max_position_embeddings : int | None
         Switch length of ``longrope``; ``None`` elsewhere.
+    pairing : Pairing
+        Where the rotary pairs sit in the cached tensor.
+    slot : str
+        The cached tensor that carries the phase: ``keys``, or ``values`` where transformers
+        caches multi-head latent attention as (latent, rotary key) in the (keys, values) slots.
     """
 
     layer_type: str
@@ -74,58 +127,22 @@ class LayerRope:
     inv_freq: torch.Tensor
     attention_scaling: float
     original_max_position_embeddings: int | None = None
+    pairing: Pairing = HALF
+    slot: str = "keys"
 
     @property
     def rotary_dim(self) -> int:
         return 2 * self.inv_freq.numel()
 
+    @property
+    def nope(self) -> bool:
+        """A layer without rotary position embedding: its cached tensors carry no phase."""
+        return self.inv_freq.numel() == 0
 
-def find_rotary_module(model: torch.nn.Module) -> torch.nn.Module:
-    """The model's (single, shared) rotary embedding module."""
-    found = [m for name, m in model.named_modules() if name.endswith("rotary_emb")]
-    if not found:
-        raise UnsupportedRopeError(
-            f"{type(model).__name__} has no rotary_emb module; kvlab re-rotates RoPE models only"
-        )
-    return found[0]
-
-
-def layer_types(config) -> list[str]:
-    types = getattr(config, "layer_types", None)
-    return list(types) if types else ["default"] * config.num_hidden_layers
-
-
-def _rope_params(config, layer_type: str) -> dict:
-    params = config.rope_parameters
-    return params[layer_type] if layer_type in params else params
-
-
-def layer_ropes(model: torch.nn.Module) -> list[LayerRope]:
-    """One :class:`LayerRope` per decoder layer, read from the model's rotary module.
-
-    Gemma 3 keeps per-layer-type buffers (``sliding_attention_inv_freq``, ...); others a
-    single ``inv_freq``. ``original_inv_freq`` is used where present because dynamic
-    schedules overwrite ``inv_freq`` during a forward.
-    """
-    rotary = find_rotary_module(model)
-    config = model.config
-    out, by_type = [], {}
-    for lt in layer_types(config):
-        if lt not in by_type:
-            prefix = f"{lt}_" if hasattr(rotary, f"{lt}_inv_freq") else ""
-            params = _rope_params(config, lt)
-            rope_type = params.get("rope_type", "default")
-            inv_freq = getattr(rotary, f"{prefix}original_inv_freq", None)
-            if inv_freq is None:
-                inv_freq = getattr(rotary, f"{prefix}inv_freq")
-            scaling = getattr(rotary, f"{prefix}attention_scaling", 1.0)
-            omax = params.get("original_max_position_embeddings") if rope_type == "longrope" else None
-            if omax is None and rope_type == "longrope":
-                omax = getattr(config, "original_max_position_embeddings", None)
-            # Kept on the model's device (meta included): rotation tables are built where the keys are.
-            by_type[lt] = LayerRope(lt, rope_type, inv_freq.detach().float().clone(), float(scaling), omax)
-        out.append(by_type[lt])
-    return out
+    @property
+    def kind(self) -> str:
+        """``nope`` or the layer type, for labels (a NoPE layer has no phase to be wrong)."""
+        return f"{self.layer_type} (NoPE)" if self.nope else self.layer_type
 
 
 def longrope_inv_freq(model: torch.nn.Module, rope: LayerRope, long: bool) -> torch.Tensor:
@@ -154,7 +171,7 @@ def check_composable(rope: LayerRope, spans: list[tuple[int, int, int]]) -> bool
     bool
         For ``longrope``, whether the long factor set is in force (else ``False``).
     """
-    if rope.rope_type in STATIC_ROPE_TYPES:
+    if rope.nope or rope.rope_type in STATIC_ROPE_TYPES:
         return False
     if rope.rope_type == "dynamic":
         raise UnsupportedRopeError(
@@ -207,30 +224,35 @@ def delta_cos_sin(
 
 
 def rotation(
-    inv_freq: torch.Tensor, delta: int | torch.Tensor, dtype: torch.dtype, device=None
+    inv_freq: torch.Tensor, delta: int | torch.Tensor, dtype: torch.dtype, device=None, pairing: Pairing = HALF
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rotation by ``delta`` positions, ready for :func:`apply_rotation`.
+    """The rotation by ``delta`` positions, ready for :func:`apply_rotation` with the same ``pairing``.
 
     Returns
     -------
     cos2 : torch.Tensor
-        ``[r]`` (or ``[T, r]``): ``cos`` repeated for both halves of the rotary dims.
+        ``[r]`` (or ``[T, r]``): ``cos`` laid out over both members of every pair.
     sin : torch.Tensor
         ``[r/2]`` (or ``[T, r/2]``).
     """
     work = dtype if dtype in (torch.float32, torch.float64) else torch.float32
     cos, sin = delta_cos_sin(inv_freq if device is None else inv_freq.to(device), delta, work)
-    return torch.cat([cos, cos], dim=-1), sin
+    return pairing.spread(cos), sin
 
 
 def apply_rotation(
-    keys: torch.Tensor, cos2: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None
+    keys: torch.Tensor,
+    cos2: torch.Tensor,
+    sin: torch.Tensor,
+    out: torch.Tensor | None = None,
+    pairing: Pairing = HALF,
 ) -> torch.Tensor:
     """Apply a rotation from :func:`rotation` to ``[..., head_dim]`` keys (see :func:`rotate_keys`)."""
     half = sin.shape[-1]
     r = 2 * half
-    if r > keys.shape[-1]:
-        raise UnsupportedRopeError(f"rotary_dim {r} exceeds head_dim {keys.shape[-1]}")
+    a = pairing.offset
+    if a + r > keys.shape[-1]:
+        raise UnsupportedRopeError(f"rotary dims {a}..{a + r - 1} exceed head_dim {keys.shape[-1]}")
     work = cos2.dtype
     if out is None:
         out = torch.empty_like(keys)
@@ -238,41 +260,51 @@ def apply_rotation(
     x = keys if work == keys.dtype else keys.to(work)
     o = out if work == keys.dtype else torch.empty_like(x)
     # x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin, in three passes over memory: one
-    # multiply by [cos, cos] over the whole rotary part, then one fused update per half.
-    torch.mul(x[..., :r], cos2, out=o[..., :r])
-    o[..., :half].addcmul_(x[..., half:r], sin, value=-1)
-    o[..., half:r].addcmul_(x[..., :half], sin)
-    if r < keys.shape[-1]:
-        o[..., r:] = x[..., r:]
+    # multiply by the spread cos over the whole rotary part, then one fused update per member.
+    torch.mul(pairing.span(x, r), cos2, out=pairing.span(o, r))
+    (o1, o2), (x1, x2) = pairing.split(o, r), pairing.split(x, r)
+    o1.addcmul_(x2, sin, value=-1)
+    o2.addcmul_(x1, sin)
+    if a:
+        o[..., :a] = x[..., :a]
+    if a + r < keys.shape[-1]:
+        o[..., a + r :] = x[..., a + r :]
     if o is not out:
         out.copy_(o)
     return out
 
 
 def rotate_keys(
-    keys: torch.Tensor, inv_freq: torch.Tensor, delta: int | torch.Tensor, out: torch.Tensor | None = None
+    keys: torch.Tensor,
+    inv_freq: torch.Tensor,
+    delta: int | torch.Tensor,
+    out: torch.Tensor | None = None,
+    pairing: Pairing = HALF,
 ) -> torch.Tensor:
     """Rotate cached keys forward by ``delta`` positions (backward if negative).
 
     Parameters
     ----------
     keys : torch.Tensor
-        ``[batch, kv_heads, seq, head_dim]`` cached keys; only the first ``rotary_dim =
-        2 * len(inv_freq)`` dims are rotary (partial-rotary models pass the rest through).
+        ``[batch, kv_heads, seq, head_dim]`` cached keys; only the ``rotary_dim =
+        2 * len(inv_freq)`` dims that ``pairing`` names are rotary (partial-rotary and latent
+        layouts pass the rest through).
     inv_freq : torch.Tensor
         ``[rotary_dim // 2]``.
     delta : int or torch.Tensor
         Shift in positions, scalar or ``[seq]``.
     out : torch.Tensor, optional
         Same shape as ``keys``, written in place (must not alias ``keys``).
+    pairing : Pairing
+        Where the pairs sit (default ``rotate_half`` over the first dims).
 
     Returns
     -------
     torch.Tensor
         ``[batch, kv_heads, seq, head_dim]``, a new tensor unless ``out`` is given; ``keys`` is not modified.
     """
-    cos2, sin = rotation(inv_freq, delta, keys.dtype, keys.device)
-    return apply_rotation(keys, cos2, sin, out)
+    cos2, sin = rotation(inv_freq, delta, keys.dtype, keys.device, pairing)
+    return apply_rotation(keys, cos2, sin, out, pairing)
 
 
 def check_positions(config, end: int, what: str) -> None:

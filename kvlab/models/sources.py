@@ -28,8 +28,9 @@ from pathlib import Path
 
 import torch
 
-from kvlab.errors import ModelError, UnsupportedModelError, UnsupportedRopeError
+from kvlab.errors import ModelError, UnsupportedModelError
 from kvlab.models.catalog import model_names
+from kvlab.models.checks import check_config, check_module, check_rotation, is_causal_class, skeleton
 from kvlab.models.digests import TOKENIZER_FILES
 from kvlab.models.gguf import (
     GGUF_MODELS,
@@ -42,7 +43,6 @@ from kvlab.models.gguf import (
     sha256_file,
 )
 from kvlab.models.loaded import DEFAULT_MODEL, LoadedModel, cache_root, quiet_gguf_reader, quiet_transformers
-from kvlab.models.rope import find_rotary_module, layer_ropes, layer_types, rope_problem, rotate_keys
 from kvlab.models.tiny import TINY_CONFIGS, build_tiny
 
 #: Files at least this large have their sha256 remembered in the kvlab cache's index.
@@ -179,182 +179,6 @@ def wrap(model: torch.nn.Module, tokenizer, name: str | None = None) -> LoadedMo
     return loaded
 
 
-# --------------------------------------------------------------------------- checks
-
-
-def is_causal_class(class_name: str) -> bool:
-    """Whether a transformers model class name is a causal LM (one with a next-token head)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    names = {c for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() for c in ([v] if isinstance(v, str) else v)}
-    return class_name in names or class_name.endswith(("ForCausalLM", "LMHeadModel"))
-
-
-def check_config(config, what: str) -> None:
-    """Refuse, from the config alone, a model kvlab cannot treat.
-
-    Encoder-decoder and encoder-only models, configs transformers has no causal-LM class
-    for, checkpoints whose weights are for another head, and rope schedules kvlab does not
-    know (:func:`kvlab.models.rope.rope_problem`).
-    """
-    from transformers.models.auto.modeling_auto import (
-        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
-    )
-
-    model_type = getattr(config, "model_type", None)
-    archs = list(getattr(config, "architectures", None) or [])
-    is_causal_arch = [is_causal_class(a) for a in archs]
-    if getattr(config, "is_encoder_decoder", False):
-        raise UnsupportedModelError(
-            f"{what} is an encoder-decoder model ({model_type}): its decoder cache attends over an encoder's output, "
-            "not over earlier cached fragments; kvlab treats decoder-only causal language models"
-        )
-    encoder_only = (
-        model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES
-        and not getattr(config, "is_decoder", False)
-        and not any(is_causal_arch)
-    )
-    if encoder_only:
-        raise UnsupportedModelError(
-            f"{what} is an encoder-only model ({model_type}{', ' + '/'.join(archs) if archs else ''}): every token "
-            "attends to every other in both directions, so there is no causal KV cache to reuse or merge"
-        )
-    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise UnsupportedModelError(
-            f"{what} is not a causal language model: transformers has no causal-LM class for model_type "
-            f"{model_type!r}{' (architectures: ' + ', '.join(archs) + ')' if archs else ''}"
-        )
-    if archs and not any(is_causal_arch):
-        raise UnsupportedModelError(
-            f"{what} holds weights for {', '.join(archs)}, not a causal LM head; loading it as one would invent "
-            "a random head, so kvlab refuses it"
-        )
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    params = getattr(text, "rope_parameters", None)
-    if not params:
-        return
-    per_type = params if all(isinstance(v, dict) for v in params.values()) else {"default": params}
-    for layer_type, p in per_type.items():
-        problem = rope_problem(p)
-        if problem:
-            where = "" if layer_type == "default" else f" ({layer_type} layers)"
-            raise UnsupportedModelError(f"{what}{where}: {problem}")
-
-
-def check_module(model: torch.nn.Module, what: str) -> None:
-    """Refuse a model without a rotary embedding kvlab can read (a live model or a meta-device skeleton)."""
-    try:
-        find_rotary_module(model)
-    except UnsupportedRopeError:  # re-raised as a model error, with the model's own story
-        raise UnsupportedModelError(_no_rope_reason(model, what)) from None
-    try:
-        layer_ropes(model)
-    except (AttributeError, KeyError, TypeError) as e:
-        raise UnsupportedModelError(
-            f"{what}: its rotary module {type(find_rotary_module(model)).__name__} does not "
-            f"expose the inverse frequencies kvlab reads ({e})"
-        ) from None
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    if len(layer_types(config)) != config.num_hidden_layers:
-        raise UnsupportedModelError(
-            f"{what}: config.layer_types names {len(layer_types(config))} layers, the model "
-            f"has {config.num_hidden_layers}"
-        )
-
-
-#: Position the rotation self-test moves a key to (far enough that every frequency pair turns).
-PROBE_SHIFT = 37
-
-
-@torch.inference_mode()
-def check_rotation(loaded: LoadedModel) -> float:
-    """Check that the model rotates cached keys the way kvlab re-rotates them, at every layer.
-
-    One token prefilled alone attends only to itself, so at every layer its key at position
-    ``s`` must be its key at position 0 turned by ``s`` positions, if the model applies RoPE
-    as kvlab reads it: pairs ``(i, i + r/2)`` of the first ``rotary_dim`` dims, frequencies
-    from the rotary module. Models that pair ``(2i, 2i + 1)`` (Cohere, GLM), leave some layers
-    without rope (SmolLM3's NoPE layers) or rotate a separate part of the key (DeepSeek's
-    MLA) fail here, where any re-rotation would silently be wrong. Skipped on ``meta``.
-
-    Returns
-    -------
-    float
-        The largest relative error ``max|K_s - R(s) K_0| / max|K_s|`` over layers.
-
-    Raises
-    ------
-    UnsupportedModelError
-        Above 1e-3 (float32/64 weights) or 5e-2 (half precision), naming the layers.
-    """
-    if loaded.device.type == "meta":
-        return 0.0
-    limit = getattr(loaded.config.get_text_config(), "max_position_embeddings", None) or PROBE_SHIFT + 1
-    shift = min(PROBE_SHIFT, limit - 1)
-    ids = loaded.tokenizer(" the", add_special_tokens=False)["input_ids"][:1] or [0]
-    ids = torch.tensor(ids, dtype=torch.long)
-    at0, at_s = _one_token_cache(loaded, ids, 0), _one_token_cache(loaded, ids, shift)
-    tol = 1e-3 if loaded.dtype in (torch.float32, torch.float64) else 5e-2
-    errors = []
-    for li, rope in enumerate(layer_ropes(loaded.model)):
-        k0, ks = at0.layers[li].keys.float(), at_s.layers[li].keys.float()
-        want = rotate_keys(k0, rope.inv_freq, shift)
-        errors.append(float((ks - want).abs().max() / ks.abs().max().clamp_min(1e-30)))
-    bad = [li for li, e in enumerate(errors) if not e <= tol]
-    if bad:
-        raise UnsupportedModelError(
-            f"{loaded.name}: at layer(s) {bad} a key cached at position {shift} is not the same token's key at position 0 "
-            f"rotated by {shift} positions the way kvlab rotates (relative error up to {max(errors[li] for li in bad):.2g}, "
-            f"allowed {tol:g}). The model applies positions some other way (interleaved rotary pairs, layers without "
-            "rope, rope on a separate part of the key), so every re-rotation kvlab made would be silently wrong"
-        )
-    return max(errors, default=0.0)
-
-
-def _one_token_cache(loaded: LoadedModel, ids: torch.Tensor, position: int):
-    """The cache of ``ids`` (one token) prefilled alone at ``position``, straight through transformers."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=loaded.config)
-    positions = torch.tensor([[position]], device=loaded.device)
-    loaded.model(
-        input_ids=ids[None].to(loaded.device), position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1
-    )
-    return cache
-
-
-def _no_rope_reason(model: torch.nn.Module, what: str) -> str:
-    learned = [
-        n
-        for n, m in model.named_modules()
-        if isinstance(m, torch.nn.Embedding) and any(k in n.split(".")[-1] for k in ("wpe", "position", "pos_emb"))
-    ]
-    if learned:
-        return (
-            f"{what} ({type(model).__name__}) has no rotary embedding: it adds learned absolute position "
-            f"embeddings ({learned[0]}) to its input, so every cached key and value of every layer depends on the "
-            "position it was computed at. A naive merge is wrong there too, and no re-rotation can fix it (the "
-            "position is mixed into the hidden state, not a rotation of the key); only a re-prefill is exact. "
-            "kvlab treats RoPE models"
-        )
-    return (
-        f"{what} ({type(model).__name__}) has no rotary embedding (positions enter some other way, e.g. ALiBi "
-        "biases or none at all); kvlab measures and repairs the RoPE phase of cached keys, so it treats RoPE models only"
-    )
-
-
-def _skeleton(config) -> torch.nn.Module:
-    """The model's modules on the meta device: no memory, no weights read, just its structure."""
-    from transformers import AutoModelForCausalLM
-
-    try:
-        with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config)
-    except (ValueError, KeyError, TypeError, RuntimeError) as e:
-        raise UnsupportedModelError(f"transformers cannot build a causal LM from this config: {e}") from None
-
-
 # --------------------------------------------------------------------------- folders
 
 
@@ -401,7 +225,7 @@ def _load_folder(folder: Path, dtype: torch.dtype) -> LoadedModel:
     except (OSError, ValueError, KeyError) as e:
         raise UnsupportedModelError(f"{folder}/config.json is not a config transformers can read: {e}") from None
     check_config(config, str(folder))
-    check_module(_skeleton(config), str(folder))
+    check_module(skeleton(config), str(folder))
     if not any(p.is_file() for pattern in WEIGHT_PATTERNS for p in folder.glob(pattern)):
         raise ModelError(f"{folder} has no weights (model.safetensors, model-*.safetensors or pytorch_model*.bin)")
     try:
@@ -529,5 +353,5 @@ def _file_spec(path: Path, name: str | None) -> GGUFSpec:
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise UnsupportedModelError(f"transformers cannot read {path} as a model: {e}") from None
     check_config(config, str(path))
-    check_module(_skeleton(config), str(path))
+    check_module(skeleton(config), str(path))
     return dataclasses.replace(spec, family=config.model_type, quantization=quantization)

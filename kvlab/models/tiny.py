@@ -28,6 +28,8 @@ _COMMON = dict(
     pad_token_id=EOS_ID,
 )
 _GQA = dict(_COMMON, num_key_value_heads=2)
+#: Multi-head latent attention: a 16-wide KV latent and an 8-wide decoupled rotary key.
+_MLA = dict(_COMMON, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
 
 
 def _llama(rope: dict) -> tf.PretrainedConfig:
@@ -92,6 +94,67 @@ TINY_CONFIGS = {
         "Llama, dynamic NTK rope",
         lambda: _llama({"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}),
     ),
+    "tiny-cohere": ("Cohere, interleaved rotary pairs (2i, 2i+1)", lambda: tf.CohereConfig(**_GQA)),
+    "tiny-glm": (
+        "GLM, interleaved pairs on half the head (partial rotary)",
+        lambda: tf.GlmConfig(**_GQA, head_dim=16),
+    ),
+    "tiny-gptj": (
+        "GPT-J, interleaved pairs from a sin/cos table, rotary_dim 8 of 16",
+        lambda: tf.GPTJConfig(
+            vocab_size=VOCAB_SIZE,
+            n_embd=64,
+            n_layer=3,
+            n_head=4,
+            rotary_dim=8,
+            n_positions=1024,
+            bos_token_id=BOS_ID,
+            eos_token_id=EOS_ID,
+            pad_token_id=EOS_ID,
+        ),
+    ),
+    "tiny-smollm3": (
+        "SmolLM3, every fourth layer NoPE",
+        lambda: tf.SmolLM3Config(**dict(_GQA, num_hidden_layers=4)),
+    ),
+    "tiny-cohere2": (
+        "Cohere 2, interleaved rope on sliding layers (window 8), NoPE global layer",
+        lambda: tf.Cohere2Config(
+            **dict(_GQA, num_hidden_layers=4),
+            sliding_window=8,
+            layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+        ),
+    ),
+    "tiny-llama4": (
+        "Llama 4 text, interleaved complex rope, every fourth layer NoPE (no chunking, no temperature tuning)",
+        lambda: tf.Llama4TextConfig(
+            **dict(_GQA, num_hidden_layers=4),
+            head_dim=16,
+            num_local_experts=2,
+            intermediate_size_mlp=128,
+            attention_chunk_size=None,
+            attn_temperature_tuning=False,
+        ),
+    ),
+    "tiny-deepseek-v3": (
+        "DeepSeek-V3, multi-head latent attention (latent 16, rotary key 8, de-interleaved)",
+        lambda: tf.DeepseekV3Config(
+            **_MLA,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            first_k_dense_replace=1,
+            moe_intermediate_size=32,
+            n_group=1,
+            topk_group=1,
+        ),
+    ),
+    "tiny-deepseek-v2": (
+        "DeepSeek-V2, multi-head latent attention, interleaved complex rope",
+        lambda: tf.DeepseekV2Config(
+            **_MLA, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, moe_intermediate_size=32
+        ),
+    ),
+    "tiny-minicpm3": ("MiniCPM3, multi-head latent attention", lambda: tf.MiniCPM3Config(**_MLA)),
 }
 
 

@@ -13,7 +13,8 @@ import kvlab
 from conftest import tiny
 from kvlab.measure.metrics import kv_diff
 from kvlab.measure.references import phase_reference
-from kvlab.models.rope import layer_ropes, rotate_keys
+from kvlab.models.layout import layer_ropes
+from kvlab.models.rope import rotate_keys
 
 COMPOSING = ["tiny-llama", "tiny-qwen2", "tiny-gemma3", "tiny-gptneox", "tiny-phi", "tiny-llama3", "tiny-yarn"]
 # Three fragments of different lengths, each longer than tiny-gemma3's window of 8, so

@@ -19,7 +19,7 @@ from kvlab.measure.metrics import (
     weighted_phase_error,
 )
 from kvlab.measure.references import context_reference, phase_reference
-from kvlab.models.rope import layer_ropes
+from kvlab.models.layout import layer_ropes
 
 TEXTS = ["Cached keys remember where they were.", " A second fragment of text,", " and a third that lands last."]
 

@@ -105,6 +105,13 @@ def assert_same_reads(m, cache, probes, new, greedy, exact=None):
         assert alone < 1e-3 and packed <= ERROR_RATIO * alone, errors
 
 
+#: Tiny models whose log-probabilities are far larger than the others' (tiny-minicpm3: up to 38
+#: against 6), so fp32 rounding of one is too: measured 2e-6 to 8e-6 from the float64 read for
+#: both paths (packed 6.2e-6, alone 7.7e-6 on the worst probe). Held to the exact read, as the
+#: real models are.
+LARGE_LOG_PROBS = {"tiny-minicpm3"}
+
+
 @pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
 @pytest.mark.parametrize("strategy", ["naive", "reprefill"])
 def test_the_old_reads_to_rounding_on_every_tiny_model(name, strategy):
@@ -115,7 +122,7 @@ def test_the_old_reads_to_rounding_on_every_tiny_model(name, strategy):
     snap = snapshot(cache)
     new = read_probes(m, cache, PROBES, greedy=6)
     assert_untouched(cache, snap)
-    assert_same_reads(m, cache, PROBES, new, 6)
+    assert_same_reads(m, cache, PROBES, new, 6, exact=exact_twin(m) if name in LARGE_LOG_PROBS else None)
 
 
 def test_the_cache_is_only_read():

@@ -16,7 +16,7 @@ import kvlab
 from conftest import tiny
 from kvlab.models import gguf as models
 from kvlab.models.catalog import model_rows
-from kvlab.models.rope import layer_ropes
+from kvlab.models.layout import layer_ropes
 from kvlab.models.tiny import TINY_CONFIGS
 
 

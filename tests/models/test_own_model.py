@@ -16,6 +16,7 @@ import transformers as tf
 
 import kvlab
 from conftest import assert_unchanged, snapshot, tiny
+from kvlab.models import layout
 from kvlab.models.tiny import _COMMON as COMMON
 from kvlab.models.tiny import TINY_CONFIGS, TINY_SEED, VOCAB_SIZE, byte_tokenizer
 
@@ -226,7 +227,7 @@ def test_rope_kvlab_cannot_read_is_refused_at_load(tmp_path):
     config = TINY_CONFIGS["tiny-qwen2"][1]()
     config.rope_parameters = dict(config.rope_parameters, mrope_section=[2, 3, 3])
     config.save_pretrained(tmp_path)
-    with pytest.raises(kvlab.UnsupportedModelError, match="mrope_section.*not a rotation kvlab can compute"):
+    with pytest.raises(kvlab.UnsupportedModelError, match="mrope_section.*M-RoPE.*1-D positions"):
         kvlab.load_model(tmp_path)
     from kvlab.models.rope import rope_problem
 
@@ -354,27 +355,40 @@ def test_notebook_takes_a_folder_as_model_name(saved, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "family, config",
+    "family, config, declare",
     [
-        ("interleaved rotary pairs (Cohere)", lambda: tf.CohereConfig(**dict(COMMON, num_key_value_heads=2))),
         (
-            "layers without rope (SmolLM3 NoPE)",
+            "interleaved rotary pairs (Cohere) read as rotate_half",
+            lambda: tf.CohereConfig(**dict(COMMON, num_key_value_heads=2)),
+            lambda mp: mp.setattr(layout, "INTERLEAVED", layout.INTERLEAVED - {"cohere"}),
+        ),
+        (
+            "layers without rope (SmolLM3 NoPE) read as rotary",
             lambda: tf.SmolLM3Config(**dict(COMMON, num_key_value_heads=2, num_hidden_layers=4)),
+            lambda mp: mp.setattr(layout, "nope_layers", lambda c: [False] * c.num_hidden_layers),
         ),
     ],
 )
-def test_model_rotating_keys_another_way_is_refused_by_the_rotation_self_test(family, config, tmp_path):
+def test_model_rotating_keys_another_way_is_refused_by_the_rotation_self_test(family, config, declare, tmp_path):
+    # Both families load as kvlab reads them (tests/models/test_architectures.py); read another
+    # way, the self-test refuses them before any merge.
     torch.manual_seed(TINY_SEED)
     model = tf.AutoModelForCausalLM.from_config(config()).eval()
     folder = save(model, byte_tokenizer(), tmp_path / "m")
-    with pytest.raises(kvlab.UnsupportedModelError, match="is not the same token's key at position 0 rotated"):
-        kvlab.load_model(folder)
-    with pytest.raises(kvlab.UnsupportedModelError, match="would be silently wrong"):
-        kvlab.wrap(model, byte_tokenizer())
+    assert kvlab.load_model(folder).name == "m"
+    declare_wrong = pytest.MonkeyPatch()
+    declare(declare_wrong)
+    try:
+        with pytest.raises(kvlab.UnsupportedModelError, match="is not its cache at position 0"):
+            kvlab.load_model(folder)
+        with pytest.raises(kvlab.UnsupportedModelError, match="would be silently wrong"):
+            kvlab.wrap(model, byte_tokenizer())
+    finally:
+        declare_wrong.undo()
 
 
 def test_rotation_self_test_passes_every_tiny_architecture():
-    from kvlab.models.sources import check_rotation
+    from kvlab.models.checks import check_rotation
 
     for name in TINY_CONFIGS:
         assert check_rotation(tiny(name)) < 1e-5, name

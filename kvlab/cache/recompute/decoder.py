@@ -10,13 +10,29 @@ from transformers import DynamicCache
 
 from kvlab.cache.fragments import Fragment
 from kvlab.errors import MergeError
+from kvlab.models.layout import find_rotary_module, layer_types
 from kvlab.models.loaded import LoadedModel
-from kvlab.models.rope import find_rotary_module, layer_types
 
 #: ``config.model_type`` values whose decoder layers were checked against a joined prefill
 #: (ratio 1 equals ``reprefill``). Others are refused rather than silently approximated: a
 #: family may scale embeddings or mix positions outside its decoder layers.
-SUPPORTED_MODEL_TYPES = {"llama", "qwen2", "gemma3_text", "phi", "phi3", "gpt_neox"}
+SUPPORTED_MODEL_TYPES = {
+    "llama",
+    "qwen2",
+    "gemma3_text",
+    "phi",
+    "phi3",
+    "gpt_neox",
+    "cohere",
+    "cohere2",
+    "glm",
+    "gptj",
+    "smollm3",
+    "llama4_text",
+    "deepseek_v2",
+    "deepseek_v3",
+    "minicpm3",
+}
 
 
 @dataclass(eq=False)
@@ -87,8 +103,7 @@ class Decoder:
                     f"strategy 'recompute' handles batch size 1; fragment {i} has batch {f.cache.layers[0].keys.shape[0]}"
                 )
         device = model.device
-        base = model.model.base_model
-        layers = list(base.layers)[: config.num_hidden_layers]
+        base, layers = decoder_stack(model.model, config.num_hidden_layers)
         rotary = find_rotary_module(base)
         params = inspect.signature(layers[0].forward).parameters
         cache_kw = next((n for n in ("cache", "past_key_values", "layer_past") if n in params), None)
@@ -110,6 +125,18 @@ class Decoder:
             device=device,
             dtype=model.dtype,
         )
+
+
+def decoder_stack(model: torch.nn.Module, n_layers: int) -> tuple[torch.nn.Module, list]:
+    """The module holding the decoder layers (with the embedding and rotary module) and the layers.
+
+    Found by structure, not by attribute name: GPT-J keeps its blocks as ``h``, most families as
+    ``layers``, and Llama 4's causal LM nests its text model one level deeper than its prefix says.
+    """
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == n_layers:
+            return model.get_submodule(name.rpartition(".")[0]), list(module)
+    raise MergeError(f"{type(model).__name__} holds no list of its {n_layers} decoder layers")
 
 
 @dataclass

@@ -27,12 +27,17 @@ def position_embeddings(decoder: Decoder, hidden: torch.Tensor, slots: torch.Ten
 
     Returns
     -------
-    list of (torch.Tensor, torch.Tensor)
-        Per layer, ``cos`` and ``sin``, each ``[1, k, rotary_dim]``.
+    list of (torch.Tensor, torch.Tensor) or torch.Tensor
+        Per layer, what the rotary module hands its attention for those tokens: ``cos`` and
+        ``sin``, each ``[1, k, rotary_dim]`` (GPT-J: ``sin``, ``cos`` of ``rotary_dim / 2``), or
+        one complex ``[1, k, rotary_dim / 2]``.
     """
     everything = torch.arange(decoder.total, device=decoder.device)[None]
 
     def pick(pe):
+        # One complex exp(i angle) tensor (DeepSeek-V2, Llama 4) or a (cos, sin) pair.
+        if isinstance(pe, torch.Tensor):
+            return pe.index_select(1, slots)
         return tuple(t.index_select(1, slots) for t in pe)
 
     if not decoder.typed_rotary:
@@ -133,9 +138,9 @@ def sliding_buffers(decoder: Decoder, merged: DynamicCache, li: int, rotator: Ke
     k0 = layer.keys
     kept = k0.shape[-2]
     tail = decoder.total - kept  # slots from here on are the merged layer's own (already re-rotated)
-    shape = (1, k0.shape[1], decoder.total, k0.shape[3])
-    keys = torch.zeros(shape, dtype=k0.dtype, device=k0.device)
-    values = torch.zeros(shape, dtype=k0.dtype, device=k0.device)
+    v0 = layer.values
+    keys = k0.new_zeros((1, k0.shape[1], decoder.total, k0.shape[3]))
+    values = v0.new_zeros((1, v0.shape[1], decoder.total, v0.shape[3]))
     avail = torch.zeros(decoder.total, dtype=torch.bool, device=decoder.device)
     for f, land in zip(decoder.fragments, decoder.landings):
         fk, fv = f.cache.layers[li].keys, f.cache.layers[li].values

@@ -7,6 +7,7 @@ from transformers import DynamicCache
 
 from kvlab.cache.recompute.decoder import Decoder, LayerKV, sliding_window
 from kvlab.cache.recompute.layers import run_layers
+from kvlab.models.layout import layer_ropes
 
 
 def key_deviation(decoder: Decoder, merged: DynamicCache, layer: int) -> torch.Tensor:
@@ -25,18 +26,22 @@ def key_deviation(decoder: Decoder, merged: DynamicCache, layer: int) -> torch.T
     Returns
     -------
     torch.Tensor
-        ``[N]`` float32: ``sum_{heads, dims} (K_merged - K_fresh)^2``.
+        ``[N]`` float32: ``sum_{heads, dims} (K_merged - K_fresh)^2``. A latent-attention
+        cache holds its key in both slots (latent, rotary part), so both count there.
     """
     fresh = {}
 
     def layer_kv(li):
-        k0 = merged.layers[li].keys
-        shape = (1, k0.shape[1], decoder.total, k0.shape[3])
-        keys = torch.empty(shape, dtype=k0.dtype, device=k0.device)
-        values = torch.empty(shape, dtype=k0.dtype, device=k0.device)
-        done = (lambda k, v: fresh.__setitem__("k", k)) if li == layer else None
+        k0, v0 = merged.layers[li].keys, merged.layers[li].values
+        keys = k0.new_empty((1, k0.shape[1], decoder.total, k0.shape[3]))
+        values = v0.new_empty((1, v0.shape[1], decoder.total, v0.shape[3]))
+        done = (lambda k, v: fresh.update(keys=k, values=v)) if li == layer else None
         return LayerKV(keys, values, None, sliding_window(merged, li), done)
 
     run_layers(decoder, torch.arange(decoder.total), layer + 1, layer_kv, stop_after_kv=True)
-    diff = merged.layers[layer].keys.float() - fresh["k"].float()
-    return diff.pow(2).sum(dim=(0, 1, 3))
+    slots = ("keys", "values") if layer_ropes(decoder.model.model)[layer].slot == "values" else ("keys",)
+    score = 0
+    for slot in slots:
+        diff = getattr(merged.layers[layer], slot).float() - fresh[slot].float()
+        score = score + diff.pow(2).sum(dim=(0, 1, 3))
+    return score

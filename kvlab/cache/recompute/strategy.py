@@ -90,7 +90,7 @@ class Recompute(Strategy):
         # The steps of CacheBlend, in order: re-rotate and concatenate; select the tokens;
         # then, layer by layer, give them positions and a mask, run the layer, write back.
         rotator = KeyRotator(model, fragments, landings)
-        merged = concat_layers(fragments, landings, rotator)
+        merged = concat_layers(fragments, landings, rotator, rotator.slots)
         total = landings[-1] + fragments[-1].length
         if self.budget(total) == 0:
             return merged
