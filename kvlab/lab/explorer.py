@@ -34,7 +34,7 @@ from kvlab.measure.metrics import (
     phase_error,
     weighted_phase_error,
 )
-from kvlab.models.layout import layer_types
+from kvlab.models.layout import layer_ropes
 from kvlab.models.loaded import DEFAULT_MODEL, LoadedModel
 from kvlab.models.sources import load_model
 
@@ -271,7 +271,8 @@ class MergeExplorer:
             # Lowering max clamps value (ipywidgets validates it).
             self.layer.max = len(self.phase_ref.layers) - 1
             self.head.max = self.phase_ref.layers[0].keys.shape[1] - 1
-            types = list(dict.fromkeys(layer_types(m.config)))
+            # Layer kinds, NoPE layers apart: a NoPE layer has no phase to be wrong.
+            types = list(dict.fromkeys(r.kind for r in layer_ropes(m.model)))
             self.layer_type.options = [ALL_LAYERS] + (types if len(types) > 1 else [])
             self.layer_type.value = ALL_LAYERS
             self.layer_type.layout.display = None if len(types) > 1 else "none"
@@ -313,9 +314,9 @@ class MergeExplorer:
         if self.merged is None:
             return  # a model change resets the choice before the new merge exists
         t = change["new"]
-        if t != ALL_LAYERS and self.phases[self.layer.value].layer_type != t:
-            # Jump to the first layer of that type; the layer slider's observer redraws once.
-            self.layer.value = next(i for i, p in enumerate(self.phases) if p.layer_type == t)
+        if t != ALL_LAYERS and self.phases[self.layer.value].kind != t:
+            # Jump to the first layer of that kind; the layer slider's observer redraws once.
+            self.layer.value = next(i for i, p in enumerate(self.phases) if p.kind == t)
         else:
             with self._working(2):
                 self._render()
@@ -363,8 +364,9 @@ class MergeExplorer:
             f"<b>{self.state['model']} / {html.escape(self._label())}</b>, {len(self.frags)} fragments: max phase error "
             f"over all layers <span class='kvlab-max-phase'>{self.state['max_phase_error']:.3e}</span> rad"
             + ("" if lt == ALL_LAYERS else f"; over {over} <span class='kvlab-max-phase-type'>{typed:.3e}</span> rad")
-            + f"; layer {li}, head {hi}: "
-            f"{head_err:.3e} rad; top-1 agreement with the joined prefill {self.state['top1_agree']}/{len(self.kl)}"
+            + f"; layer {li} ({html.escape(p.kind)}), head {hi}: "
+            + ("no phase (no rotary embedding)" if p.nope else f"{head_err:.3e} rad")
+            + f"; top-1 agreement with the joined prefill {self.state['top1_agree']}/{len(self.kl)}"
         )
         rows = "".join(
             f"<tr><td>{html.escape(r['probe'])}</td><td>{r['kl']:.4f}</td><td>{html.escape(r['top1_ref'])}</td>"
@@ -382,7 +384,7 @@ class MergeExplorer:
         if not self._draw:
             return  # hold_drawing() renders once, figures included, when it ends
         # Titles name the options too: a figure always says which merge it shows.
-        title = f"{self.state['model']} / {self._label()}: phase error, layer {li} ({p.layer_type}), head {hi}"
+        title = f"{self.state['model']} / {self._label()}: phase error, layer {li} ({p.kind}), head {hi}"
         self._step("drawing the phase plot")
         self.figures["phase"] = phase_vs_position_head(p, hi, title, self.landings)
         self._step("drawing the heatmap")

@@ -38,7 +38,8 @@ def phase_vs_position(
     landings : list of int
         First position of each fragment (drawn as dotted lines).
     """
-    n_pairs = next(iter(phases_by_strategy.values()))[0].angle.shape[-1]
+    # NoPE layers have no pairs: the bands are the rotary layers'.
+    n_pairs = next(p for p in next(iter(phases_by_strategy.values())) if not p.nope).angle.shape[-1]
     bands = band_slices(n_pairs)
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6), sharey=True, constrained_layout=True)
     for ax, (band, sl) in zip(axes, bands.items()):
@@ -61,32 +62,44 @@ def phase_vs_position(
 def phase_vs_position_head(phase: LayerPhase, head: int, title: str, landings: list[int]) -> Figure:
     """Mean phase error (radians, log scale) against position for one layer and KV head, one line per band.
 
-    ``phase.angle`` is ``[kv_heads, N, rotary_dim // 2]``; the band mean is over its pairs.
+    ``phase.angle`` is ``[kv_heads, N, rotary_dim // 2]``; the band mean is over its pairs. A NoPE
+    layer has no pairs, so no phase to be wrong: the panel says so (its context error is in |K - ref|).
     """
     fig, ax = plt.subplots(figsize=(9, 3.4), constrained_layout=True)
+    ax.set_xlabel("position in merged cache (tokens)")
+    ax.set_ylabel("mean phase error (rad)")
+    ax.set_title(title)
+    if phase.nope:
+        ax.text(
+            0.5,
+            0.5,
+            f"{phase.kind}: no rotary embedding on this layer, so no phase to be wrong\n"
+            "(its keys differ from the reference by context only: see |K - ref|)",
+            ha="center",
+            va="center",
+            transform=ax.transAxes,
+        )
+        return fig
     for band, sl in band_slices(phase.angle.shape[-1]).items():
         # Masked pairs are NaN; a position with every pair of the band masked stays a gap.
         err = phase.angle[head][:, sl].double().nanmean(-1).cpu().numpy()
         ax.plot(phase.positions.cpu().numpy(), np.maximum(err, 1e-9), label=f"{band}-frequency pairs")
     _boundaries(ax, landings)
     ax.set_yscale("log")
-    ax.set_xlabel("position in merged cache (tokens)")
-    ax.set_ylabel("mean phase error (rad)")
-    ax.set_title(title)
     ax.legend()
     return fig
 
 
 def phase_by_band_bars(phases_by_strategy: dict[str, list[LayerPhase]], model_name: str) -> Figure:
     """Mean phase error per layer type and frequency band, as bars (radians, log scale)."""
-    layer_types = sorted({p.layer_type for ps in phases_by_strategy.values() for p in ps})
+    layer_types = sorted({p.layer_type for ps in phases_by_strategy.values() for p in ps if not p.nope})
     fig, ax = plt.subplots(figsize=(8, 3.6), constrained_layout=True)
     width = 0.8 / max(1, len(phases_by_strategy))
     first = next(iter(phases_by_strategy.values()))
     groups = [
         (lt, band, sl)
         for lt in layer_types
-        for band, sl in band_slices(next(p for p in first if p.layer_type == lt).angle.shape[-1]).items()
+        for band, sl in band_slices(next(p for p in first if p.layer_type == lt and not p.nope).angle.shape[-1]).items()
     ]
     labels = [f"{lt.split('_')[0]}\n{band}" for lt, band, _ in groups]
     for si, (name, phases) in enumerate(phases_by_strategy.items()):

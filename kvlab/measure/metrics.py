@@ -220,7 +220,8 @@ def phase_error(
 
 
 def _select(phases: list[LayerPhase], layer_type: str | None):
-    return [p for p in phases if layer_type is None or p.layer_type == layer_type]
+    """The rotary layers of ``phases`` of one layer type or kind (``None``: all); NoPE layers have no pairs."""
+    return [p for p in phases if not p.nope and (layer_type is None or layer_type in (p.layer_type, p.kind))]
 
 
 def max_phase_error(phases: list[LayerPhase], layer_type: str | None = None) -> float:

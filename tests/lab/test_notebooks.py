@@ -574,3 +574,38 @@ def test_the_markdown_number_check_finds_a_typed_number():
     found = PROSE_NUMBER.findall("".join(nb["cells"][0]["source"]))
     assert found == ["0.42", "95%", "512"]
     assert [n for n in found if not re.search(rf"(?<![\w.]){re.escape(n)}(?![\w])", printed)] == ["512"]
+
+
+def test_explorer_labels_nope_layers_and_shows_them_without_a_phase():
+    from kvlab.lab.explorer import MergeExplorer
+
+    # tiny-smollm3: layer 3 has no rotary embedding; the layer selector names it as such.
+    ex = MergeExplorer("tiny-smollm3", texts=["First fragment here.", " And the second one."], probes=[" and"])
+    assert list(ex.layer_type.options)[1:] == ["full_attention", "full_attention (NoPE)"]
+    ex.layer_type.value = "full_attention (NoPE)"
+    assert ex.state["layer"] == 3 and "no phase (no rotary embedding)" in ex.readout.value
+    assert "(NoPE)" in ex.figures["phase"].axes[0].get_title()
+    assert "no phase to be wrong" in ex.figures["phase"].axes[0].texts[0].get_text()
+    # A naive merge's phase error lives on the rotary layers; the NoPE layer still shows |K - ref|.
+    assert ex.state["max_phase_error"] > 0.1
+    assert float(ex.diffs[3].k.max()) > 0
+
+
+def test_notebook_01_names_the_layer_kinds_of_a_nope_model(tmp_path):
+    import papermill as pm
+
+    from kvlab.lab.report import NOTEBOOK_DIR
+
+    out = tmp_path / "01.ipynb"
+    params = {"model_name": "tiny-smollm3", "n_fragments": 3, "texts": ["Alpha speaks.", " Beta follows,", " gamma."]}
+    pm.execute_notebook(
+        str(NOTEBOOK_DIR / "01_phase_error.ipynb"),
+        str(out),
+        parameters=params,
+        progress_bar=False,
+        cwd=str(NOTEBOOK_DIR),
+        kernel_name="kvlab",
+    )
+    text = out.read_text()
+    assert "layer kinds: full_attention at [0, 1, 2]; full_attention (NoPE) at [3]" in text
+    assert "NoPE layers [3]: no rotary embedding" in text
