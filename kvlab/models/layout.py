@@ -7,8 +7,9 @@ what lands there differs:
 * Cohere, GLM, GPT-J, Llama 4 and their kind pair ``(2i, 2i + 1)`` (:data:`INTERLEAVED`);
 * multi-head latent attention (DeepSeek-V2/V3, MiniCPM3) caches the compressed latent in the
   keys slot and the decoupled rotary key in the values slot, one shared head each;
-* SmolLM3 and Llama 4 skip rope on the layers ``no_rope_layers`` marks 0, Cohere 2 on every
-  layer that is not sliding (NoPE: such a layer's cache carries no phase at all).
+* SmolLM3 and Llama 4 skip rope on the layers ``no_rope_layers`` marks 0, Cohere 2 (and
+  EXAONE 4 with a sliding window) on every layer that is not sliding (NoPE: such a layer's
+  cache carries no phase at all).
 
 What this module declares, :func:`kvlab.models.checks.check_rotation` verifies on the model's
 own forward pass before the model is handed out: a family declared wrong is refused there,
@@ -91,6 +92,9 @@ def nope_layers(config) -> list[bool]:
         return [not flags[i] for i in range(n)]
     if config.model_type in ("cohere2", "cohere2_moe"):
         # Cohere 2 rotates on its sliding layers only; its global layers see no position.
+        return [t != "sliding_attention" for t in layer_types(config)]
+    if config.model_type == "exaone4" and getattr(config, "sliding_window", None) is not None:
+        # EXAONE 4 with a sliding window: global layers NoPE, as in Cohere 2.
         return [t != "sliding_attention" for t in layer_types(config)]
     return [False] * n
 
