@@ -22,8 +22,27 @@ def _env_pip_list() -> list[str]:
 
 def test_environment_yml_matches_pyproject():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    wanted = project["dependencies"] + project["optional-dependencies"]["dev"]
+    extras = project["optional-dependencies"]
+    assert "kvlab[lab]" in extras["dev"]  # make installs the lab through dev
+    wanted = project["dependencies"] + extras["lab"] + [d for d in extras["dev"] if d != "kvlab[lab]"]
     assert sorted(_env_pip_list()) == sorted(wanted)
+
+
+#: The lab extra's packages (and what they pull), none of which the core's import path may need.
+LAB_MODULES = {"matplotlib", "ipywidgets", "jupyterlab", "ipykernel", "papermill", "nbconvert", "dask", "distributed"}
+
+
+def test_the_certificate_and_the_command_line_import_no_lab_package():
+    # A store's CI installs the core only: kvlab, its command and the certificate must import without the lab.
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    core = " ".join(project["dependencies"])
+    assert not any(m in core for m in ("matplotlib", "papermill", "dask", "jupyterlab", "ipywidgets"))
+    code = (
+        "import sys, kvlab, kvlab.cli, kvlab.measure.certify, kvlab.files.io; "
+        f"print(sorted({{m.split('.')[0] for m in sys.modules}} & {LAB_MODULES!r}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
 
 
 def test_readme_starts_with_the_two_commands():
