@@ -176,7 +176,7 @@ class KeyRotator:
 
     def __init__(self, model: LoadedModel, fragments: list[Fragment], landings: list[int]):
         self.ropes = layer_ropes(model.model)
-        self.inv_freqs = rerotation_frequencies(model, fragments, landings)
+        self.inv_freqs = rerotation_frequencies(model, fragments, landings, self.ropes)
         #: Per layer, the tensor that carries the phase (``keys`` or ``values``).
         self.slots = [r.slot for r in self.ropes]
         self._rotations: dict = {}
@@ -195,11 +195,17 @@ class KeyRotator:
         apply_rotation(k, *self._rotations[key], out=out, pairing=rope.pairing)
 
 
-def rerotation_frequencies(model: LoadedModel, fragments: list[Fragment], landings: list[int]) -> list[torch.Tensor]:
-    """Per layer ``[rotary_dim // 2]`` inverse frequencies in force for this merge (refusing non-composing ones)."""
+def rerotation_frequencies(
+    model: LoadedModel, fragments: list[Fragment], landings: list[int], ropes: list | None = None
+) -> list[torch.Tensor]:
+    """Per layer ``[rotary_dim // 2]`` inverse frequencies in force for this merge (refusing non-composing ones).
+
+    ``ropes``: the model's :func:`~kvlab.models.layout.layer_ropes`, where the caller has them
+    already (reading them walks every module of the model).
+    """
     spans = [(f.start, f.length, land) for f, land in zip(fragments, landings)]
     out = []
-    for rope in layer_ropes(model.model):
+    for rope in ropes if ropes is not None else layer_ropes(model.model):
         long = check_composable(rope, spans)
         out.append(longrope_inv_freq(model.model, rope, long) if rope.rope_type == "longrope" else rope.inv_freq)
     return out
