@@ -3,8 +3,8 @@
 Every file or folder kvlab writes is made under a temporary name beside its target,
 ``.<target name>.<pid>.<random>.tmp``, fsynced, then renamed over the target: a reader sees
 the old one or the new one, never a mix. A writer killed before the rename leaves its
-temporary behind; the name carries the writer's process id, so the next write of the same
-target removes those whose process is gone (:func:`remove_stale`), and ``kvlab inspect``
+temporary behind; the name carries the writer's process id, so the next write into the same
+folder removes those whose process is gone (:func:`remove_stale`), and ``kvlab inspect``
 lists them (:func:`stale_temporaries`).
 
 A library that takes a file name may make files of its own beside it (safetensors writes
@@ -110,10 +110,14 @@ def stale_temporaries(folder: Path, target: str | None = None) -> list[Path]:
 
 
 def remove_stale(path: Path) -> list[Path]:
-    """Remove the temporaries of earlier writes of ``path`` whose writer died; return what was removed."""
+    """Remove the temporaries in ``path``'s folder whose writer died, whatever they were writing; return them.
+
+    The whole folder, not only earlier writes of ``path``: a store that saves every cache under a
+    new name would otherwise collect a killed save's leftovers without end.
+    """
     path = Path(path)
     gone = []
-    for p in stale_temporaries(path.parent, path.name):
+    for p in stale_temporaries(path.parent):
         try:
             if p.is_dir() and not p.is_symlink():
                 shutil.rmtree(p)
@@ -152,7 +156,7 @@ def atomic_path(path: Path, *, mode: int | None = None, private_folder: bool = F
         Yield ``<temporary folder>/<path's name>`` instead of a temporary file beside ``path``;
         the folder is made ``0700`` under the temporary name and removed after the rename. For a
         writer that makes files of its own beside the name it is given: a kill leaves them inside
-        the folder, which the next write of ``path`` removes with everything in it.
+        the folder, which the next write into the same folder removes with everything in it.
 
     Yields
     ------

@@ -141,7 +141,7 @@ def _inspect(args) -> int:
         print(
             f"  left over  {len(stale)} temporary file(s) of a save that died: "
             f"{', '.join(f'{_printable(p.name)} ({_size(_leftover_bytes(p))})' for p in stale)}; "
-            "the next save of this file removes them"
+            "the next save into this folder removes them"
         )
     return 0
 
@@ -242,7 +242,7 @@ def _inspect_folder(folder, model_name: str | None) -> int:
             return "(gone)"
 
     if stale:
-        print("  left by saves that died (the next save of the same file removes them; or delete them):")
+        print("  left by saves that died (the next save into this folder removes them; or delete them):")
     for t in stale:
         target, pid = temporary_of(t)
         name = _printable(t.name) + ("/" if t.is_dir() and not t.is_symlink() else "")

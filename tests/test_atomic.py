@@ -76,15 +76,18 @@ def test_this_process_keeps_its_own_temporary_and_removes_one_that_only_shares_i
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.kvcache"]
 
 
-def test_only_the_same_targets_temporaries_are_removed(tmp_path):
+def test_a_write_removes_every_dead_writers_temporary_in_its_folder_and_no_lookalike(tmp_path):
+    # A store that saves each cache under a new name: the next save into the folder cleans up.
     pid = dead_pid()
     other = temp(tmp_path, "other.kvcache", pid)
     lookalikes = [tmp_path / n for n in (f".c.kvcache.{pid}.tmp", f".c.kvcache.{pid}.XYZ12345.tmp", "c.kvcache.tmp")]
     for p in lookalikes:
         p.write_bytes(b"not kvlab's")
+    live = tmp_path / f".third.kvcache.{os.getppid()}.0123abcd.tmp"  # a write in progress elsewhere
+    live.write_bytes(b"in progress")
     atomic_write_text(tmp_path / "c.kvcache", "new")
-    assert other.exists() and all(p.exists() for p in lookalikes)
-    assert stale_temporaries(tmp_path) == [other]
+    assert not other.exists() and all(p.exists() for p in lookalikes) and live.exists()
+    assert stale_temporaries(tmp_path) == []
 
 
 def test_a_dead_writers_temporary_folder_is_removed_and_a_link_only_unlinked(tmp_path):
