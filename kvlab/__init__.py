@@ -20,6 +20,7 @@ from kvlab.cache.recompute.strategy import Recompute
 from kvlab.cache.shift import shift_
 from kvlab.cache.strategies import STRATEGIES, Fail, Naive, Reprefill, Rerotate, Strategy, register, strategy_names
 from kvlab.errors import (
+    AuditTargetError,
     CacheFileError,
     CacheFileWarning,
     EvalSetError,
@@ -60,7 +61,7 @@ __all__ = [
     # errors
     "KvlabError", "ModelError", "UnsupportedModelError", "MergeError", "PositionError", "UnsupportedRopeError",
     "FingerprintMismatch", "CacheFileError", "PeerError", "KernelMissing", "RecordError", "ReportError",
-    "StatsError", "StudyError", "EvalSetError",
+    "StatsError", "StudyError", "EvalSetError", "AuditTargetError",
     # models
     "DEFAULT_MODEL", "LoadedModel", "load_model", "load_gguf_file", "wrap", "model_names", "layer_ropes",
     "rotate_keys",

@@ -60,7 +60,16 @@ def _certify(args) -> int:
     from kvlab.models.sources import load_model
 
     torch.manual_seed(0)
-    cert = certify(load_model(args.model))
+    targets = {"merge": args.merge, "shift": args.shift, "store": args.store}
+    if any(targets.values()):
+        from kvlab.measure.audit.run import audit
+        from kvlab.measure.audit.target import resolve
+
+        # Every target imported and its signature read before the model loads: a bad one costs nothing.
+        resolved = {kind: resolve(kind, spec) for kind, spec in targets.items() if spec}
+        cert = audit(load_model(args.model), **resolved)
+    else:
+        cert = certify(load_model(args.model))
     print(cert.table(verbose=args.verbose))
     if args.json:
         print(f"certificate: {cert.write_json(args.json)}")
@@ -362,11 +371,27 @@ def parser() -> argparse.ArgumentParser:
         "certify",
         help="check a model's rotation, exact strategies, sliding windows, refusals, cache files and noise floor",
         description="Every line states its measured value beside its bound. Exit status 0: certified (no line failed "
-        "or was refused); 1: not certified; 2: the model cannot be loaded.",
+        "or was refused); 1: not certified; 2: the model cannot be loaded, or a --merge/--shift/--store target cannot "
+        "be imported or breaks its contract.",
     )
     p.add_argument("model", help=MODEL_HELP)
     p.add_argument("--json", metavar="FILE", help="also write the certificate as JSON (atomically)")
     p.add_argument("--verbose", action="store_true", help="print every line's detail, not only a failing one's")
+    audit = p.add_argument_group(
+        "audit a store's own code on this model instead (docs/audit.md); MODULE is imported as `python -m` would, "
+        "the current folder first"
+    )
+    audit.add_argument("--merge", metavar="MODULE:FUNCTION", help="a merge: FUNCTION(caches[, model]) -> DynamicCache")
+    audit.add_argument(
+        "--shift",
+        metavar="MODULE:FUNCTION",
+        help="a shift: FUNCTION(cache, delta[, model]), in place or returning a cache",
+    )
+    audit.add_argument(
+        "--store",
+        metavar="MODULE:OBJECT",
+        help="a store: OBJECT.save(cache, path[, model]), OBJECT.load(path[, model])",
+    )
     p.set_defaults(func=_certify)
     p = sub.add_parser(
         "inspect",

@@ -76,5 +76,15 @@ class EvalSetError(KvlabError):
     """An evaluation set cannot be built or read as asked (sizes, missing template, bad passages)."""
 
 
+class AuditTargetError(KvlabError):
+    """What ``kvlab certify --merge/--shift/--store`` was asked to audit cannot be audited as given.
+
+    A ``MODULE:NAME`` that does not import or name nothing, a signature the contract does not
+    allow (``inspect.signature``), a store without ``save``/``load``, or a call that returned
+    something other than a ``transformers.DynamicCache``. A target that raises while it is
+    checked is not this error: its exception becomes a failing line of the certificate.
+    """
+
+
 class CacheFileWarning(UserWarning):
     """A cache file was loaded without full verification (``strict=False`` or ``allow_unverified=True``)."""

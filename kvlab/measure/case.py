@@ -39,6 +39,8 @@ DEFAULT_PROBES = [
     " The keeper counted ships in a ledger that was coloured",
     " Maren was the keeper's",
 ]
+#: The true answer to each of :data:`DEFAULT_PROBES`, in the story's words (for answer-span scores).
+DEFAULT_ANSWERS = ["Bergen", "blue", "daughter"]
 
 
 class FidelityReference:

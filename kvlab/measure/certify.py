@@ -38,7 +38,7 @@ from transformers import DynamicCache
 
 from kvlab.atomic import atomic_write_text
 from kvlab.cache.fragments import Fragment, clone_cache, joined_prefill, prefill_ids, prefill_tokens
-from kvlab.cache.merge import merge
+from kvlab.cache.merge import landing_positions, merge
 from kvlab.cache.recompute.strategy import POLICIES
 from kvlab.cache.shift import shift_
 from kvlab.errors import FingerprintMismatch, KvlabError, MergeError, PositionError, UnsupportedRopeError
@@ -123,6 +123,9 @@ class Certificate:
         :func:`kvlab.fingerprint` of the model (weights digest included): what was certified.
     seconds : float
         Wall time of the whole run.
+    target : str or None
+        What was audited on the model (``merge pkg.mod:fn``, see :mod:`kvlab.measure.audit`);
+        ``None`` for the model's own certificate.
     """
 
     model: str
@@ -130,6 +133,7 @@ class Certificate:
     fingerprint: dict
     seconds: float
     created: str = field(default_factory=lambda: datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"))
+    target: str | None = None
 
     @property
     def passed(self) -> bool:
@@ -139,6 +143,7 @@ class Certificate:
         return {
             "certificate_version": CERTIFICATE_VERSION,
             "model": self.model,
+            **({"target": self.target} if self.target else {}),
             "passed": self.passed,
             "created": self.created,
             "seconds": round(self.seconds, 2),
@@ -164,10 +169,9 @@ class Certificate:
                 out.append(f"{'':<23}{line.detail}")
         verdict = "certified" if self.passed else "NOT certified"
         failed = [f"{line.check} ({line.scope})" for line in self.lines if line.failed]
+        subject = f"{self.target} on {self.model}" if self.target else self.model
         out.append(
-            f"{self.model}: {verdict}"
-            + (f"; failing: {', '.join(failed)}" if failed else "")
-            + f" ({self.seconds:.1f} s)"
+            f"{subject}: {verdict}" + (f"; failing: {', '.join(failed)}" if failed else "") + f" ({self.seconds:.1f} s)"
         )
         return "\n".join(out)
 
@@ -197,16 +201,16 @@ def certify(model: LoadedModel, *, lengths: tuple[int, ...] = LENGTHS, seed: int
         ``passed`` is True when no line failed or was refused.
     """
     t0 = time.perf_counter()
-    ids = _TokenSource(model, seed)
+    ids = TokenSource(model, seed)
     lines = _rotation(model) + _rerotate_phase(model, ids, lengths)
-    exact = _Exact.of(model, _identity_fragments(model, ids))
+    exact = _Exact.of(model, identity_fragments(model, ids))
     lines += _sliding(model, exact) + _recompute_identities(model, exact)
     story = Case.from_texts(model)
     lines += _refusals(model, ids) + _file_round_trip(model, exact) + _floor(model, story) + _context(model, story)
     return Certificate(model.name, lines, fingerprint(model), time.perf_counter() - t0)
 
 
-class _TokenSource:
+class TokenSource:
     """Seeded random token ids from the middle of the vocabulary (no special tokens)."""
 
     def __init__(self, model: LoadedModel, seed: int):
@@ -218,11 +222,12 @@ class _TokenSource:
         return torch.randint(self.low, self.high, (n,), generator=self.gen)
 
 
-def _limit(model: LoadedModel) -> int:
+def position_limit(model: LoadedModel) -> int:
+    """The model's ``max_position_embeddings``: no key may sit at or past it."""
     return model.config.get_text_config().max_position_embeddings
 
 
-def _beyond_by_kind(cache, ref, phases, floor: float = REL_KEY_NOISE) -> dict[str, float]:
+def beyond_by_kind(cache, ref, phases, floor: float = REL_KEY_NOISE) -> dict[str, float]:
     """Per layer kind (``full_attention``, ``... (NoPE)``), the worst error in units of rounding.
 
     A rotary layer's is its phase (:func:`phase_beyond_rounding`). A NoPE layer has no phase to
@@ -258,7 +263,7 @@ def _rotation(model: LoadedModel) -> list[Line]:
     Where a schedule switches frequencies (longrope), the turn starts from the switch.
     """
     ropes = layer_ropes(model.model)
-    limit = _limit(model)
+    limit = position_limit(model)
     switch = {r.original_max_position_embeddings for r in ropes if r.rope_type == "longrope"} - {None}
     token = model.tokenizer(" the", add_special_tokens=False)["input_ids"][:1] or [0]
     token = torch.tensor(token, dtype=torch.long)
@@ -279,7 +284,7 @@ def _rotation(model: LoadedModel) -> list[Line]:
             continue
         done.append(dst)
         phases = [dataclasses.replace(p, positions=p.positions + dst) for p in phase_error(moved, at_dst, model)]
-        for lt, w in _beyond_by_kind(moved, at_dst, phases).items():
+        for lt, w in beyond_by_kind(moved, at_dst, phases).items():
             worst[lt] = max(worst.get(lt, 0.0), w)
         rel = max(rel, rel_key_error(moved, at_dst))
     types = sorted({r.kind for r in ropes})
@@ -299,11 +304,11 @@ def _rotation(model: LoadedModel) -> list[Line]:
     ]
 
 
-def _fragments(model: LoadedModel, ids: _TokenSource, lengths: list[int]) -> list[Fragment]:
+def _fragments(model: LoadedModel, ids: TokenSource, lengths: list[int]) -> list[Fragment]:
     return [prefill_tokens(model, ids(n)) for n in lengths]
 
 
-def _exact_twin(model: LoadedModel) -> LoadedModel:
+def exact_twin(model: LoadedModel) -> LoadedModel:
     """``model`` computing in float64, its rotary angles too: the maths of the model, far below fp32 rounding.
 
     transformers computes rotary angles in float32 whatever the weights' dtype, and at position
@@ -341,17 +346,50 @@ def _exact_twin(model: LoadedModel) -> LoadedModel:
     return dataclasses.replace(model, model=module)
 
 
-def _rerotate_phase(model: LoadedModel, ids: _TokenSource, lengths: tuple[int, ...]) -> list[Line]:
+def exact_landing(twin: LoadedModel, frags: list[Fragment]) -> tuple[DynamicCache, list[DynamicCache]]:
+    """The exact keys of a merge of ``frags``, and of each fragment where it was prefilled.
+
+    Parameters
+    ----------
+    twin : LoadedModel
+        The float64 model (:func:`exact_twin`).
+    frags : list of Fragment
+        In landing order; each lands at the sum of the lengths before it.
+
+    Returns
+    -------
+    exact : DynamicCache
+        float64 keys and values ``[batch, kv_heads, kept, head_dim]`` per layer: every fragment
+        prefilled alone where it lands, concatenated (what an exact merge of the fp32 fragments
+        approaches, to their own fp32 noise).
+    at_own : list of DynamicCache
+        Each fragment prefilled in float64 at its own positions (``start``): the fragment's own
+        fp32 noise is its cache against this one.
+    """
+    landings = landing_positions(frags)
+    at_land = [prefill_ids(twin, f.token_ids, land) for f, land in zip(frags, landings, strict=True)]
+    at_own = [
+        c if land == f.start else prefill_ids(twin, f.token_ids, f.start)
+        for f, c, land in zip(frags, at_land, landings, strict=True)
+    ]
+    exact = merge(
+        [dataclasses.replace(f, cache=c, start=land) for f, c, land in zip(frags, at_land, landings, strict=True)],
+        "naive",
+    )
+    return exact, at_own
+
+
+def _rerotate_phase(model: LoadedModel, ids: TokenSource, lengths: tuple[int, ...]) -> list[Line]:
     """Two fragments merged by ``rerotate``, against the exact keys at their landing positions.
 
-    The exact keys are the float64 model's (:func:`_exact_twin`) prefilled alone where each
+    The exact keys are the float64 model's (:func:`exact_twin`) prefilled alone where each
     fragment lands. ``rerotate`` turns the fp32 keys it is given, so it is held to the noise they
     already carry: the element noise allowed is the fragments' own fp32 prefill against the
     exact one at their own positions (at least :data:`REL_KEY_NOISE`). It grows with the
     fragment; a fixed noise measured on short fragments would count it as a phase error.
     """
-    lengths = [n for n in lengths if 2 * n <= _limit(model)]
-    twin = _exact_twin(model)
+    lengths = [n for n in lengths if 2 * n <= position_limit(model)]
+    twin = exact_twin(model)
     worst: dict[str, float] = {}
     naive: dict[str, float] = {}
     floors, landed = [], []
@@ -361,20 +399,13 @@ def _rerotate_phase(model: LoadedModel, ids: _TokenSource, lengths: tuple[int, .
             merged = merge(frags, "rerotate", model)
         except UnsupportedRopeError as e:
             return [Line("rerotate phase", f"2 x {n} tokens", None, 1.0, "x rounding", REFUSED, str(e))]
-        # Exact keys: each fragment in float64 where it was prefilled and where it lands (the first: both at 0).
-        at_land = [prefill_ids(twin, f.token_ids, land) for f, land in zip(frags, (0, n), strict=True)]
-        exact = merge(
-            [dataclasses.replace(f, cache=c, start=land) for f, c, land in zip(frags, at_land, (0, n))], "naive"
-        )
-        own = max(
-            rel_key_error(frags[0].cache, at_land[0]),
-            rel_key_error(frags[1].cache, prefill_ids(twin, frags[1].token_ids)),
-        )
+        exact, at_own = exact_landing(twin, frags)
+        own = max(rel_key_error(f.cache, c) for f, c in zip(frags, at_own, strict=True))
         floor = max(REL_KEY_NOISE, own)
         floors.append(own)
         landed.append(rel_key_error(phase_reference(model, frags), exact))
         for cache, out in ((merged, worst), (merge(frags, "naive", model), naive)):
-            for lt, w in _beyond_by_kind(cache, exact, phase_error(cache, exact, model), floor).items():
+            for lt, w in beyond_by_kind(cache, exact, phase_error(cache, exact, model), floor).items():
                 out[lt] = max(out.get(lt, 0.0), w)
     del twin
     scope = "2 x " + "/".join(map(str, lengths)) + " tokens"
@@ -394,15 +425,16 @@ def _rerotate_phase(model: LoadedModel, ids: _TokenSource, lengths: tuple[int, .
     ]
 
 
-def _window(model: LoadedModel) -> int | None:
+def sliding_window(model: LoadedModel) -> int | None:
+    """The window of the model's sliding layers, or ``None`` where it has none."""
     config = model.config.get_text_config()
     types = getattr(config, "layer_types", None) or []
     return getattr(config, "sliding_window", None) if "sliding_attention" in types else None
 
 
-def _identity_fragments(model: LoadedModel, ids: _TokenSource) -> list[Fragment]:
+def identity_fragments(model: LoadedModel, ids: TokenSource) -> list[Fragment]:
     """Two fragments for the exact identities: together past the sliding window where there is one."""
-    window = _window(model)
+    window = sliding_window(model)
     switch = [r.original_max_position_embeddings for r in layer_ropes(model.model) if r.rope_type == "longrope"]
     # Past a longrope switch, fragments prefilled short and merged long do not compose: stay below it.
     n = window // 2 + 8 if window else (min(switch) // 2 if switch else 64)
@@ -432,35 +464,55 @@ class _Exact:
 
 def _sliding(model: LoadedModel, exact: _Exact) -> list[Line]:
     """Past the window, every layer of a merge keeps what a joined prefill keeps."""
-    window = _window(model)
-    frags, joined, merged = exact.frags, exact.joined, exact.rotated
+    return [sliding_line(model, exact.frags, exact.joined, exact.rotated, exact.refusal)]
+
+
+def sliding_line(
+    model: LoadedModel,
+    frags: list[Fragment],
+    joined: DynamicCache,
+    merged: DynamicCache | None,
+    refusal: str | None = None,
+    scope: str = "",
+) -> Line:
+    """The ``sliding window`` line: every layer of ``merged`` keeps what ``joined`` keeps (type, shape, length).
+
+    Parameters
+    ----------
+    frags : list of Fragment
+        What was merged, together past the model's window.
+    joined : DynamicCache
+        Their joined prefill: keys and values ``[batch, kv_heads, kept, head_dim]`` per layer.
+    merged : DynamicCache or None
+        The merge under test; ``None`` where it was refused (``refusal`` says why).
+    scope : str
+        Put before the line's own scope (what was merged, for an audit).
+    """
+    window = sliding_window(model)
     total = sum(f.length for f in frags)
     if window is None:
-        return [Line("sliding window", "no sliding layers", None, None, "", NA)]
+        return Line("sliding window", scope + "no sliding layers", None, None, "", NA)
+    what = scope + f"{len(frags)} x {frags[0].length} tokens"
     if merged is None:
-        return [
-            Line("sliding window", f"2 x {frags[0].length} tokens", None, 0, "layers wrong", REFUSED, exact.refusal)
-        ]
+        return Line("sliding window", what, None, 0, "layers wrong", REFUSED, refusal or "")
     wrong = [
         li
         for li, (a, b) in enumerate(zip(merged.layers, joined.layers, strict=True))
         if type(a) is not type(b) or a.keys.shape != b.keys.shape or a.get_seq_length() != b.get_seq_length()
     ]
     kept = sorted({layer.keys.shape[-2] for layer in merged.layers})
-    return [
-        Line(
-            "sliding window",
-            f"2 x {frags[0].length} tokens past a window of {window}",
-            len(wrong),
-            0,
-            "layers wrong",
-            PASS if not wrong else FAIL,
-            f"layers keep {kept} of {total} tokens" + (f"; wrong at layers {wrong}" if wrong else ""),
-        )
-    ]
+    return Line(
+        "sliding window",
+        f"{what} past a window of {window}",
+        len(wrong),
+        0,
+        "layers wrong",
+        PASS if not wrong else FAIL,
+        f"layers keep {kept} of {total} tokens" + (f"; wrong at layers {wrong}" if wrong else ""),
+    )
 
 
-def _unequal(a: DynamicCache, b: DynamicCache) -> int:
+def unequal_elements(a: DynamicCache, b: DynamicCache) -> int:
     """Elements of K and V that differ (any shape or length difference counts every element)."""
     n = 0
     for la, lb in zip(a.layers, b.layers, strict=True):
@@ -490,7 +542,7 @@ def _recompute_identities(model: LoadedModel, exact: _Exact) -> list[Line]:
         return [Line("recompute r=0", scope, None, 0, "elements", REFUSED, exact.refusal)]
     lines = []
     for policy in POLICIES:
-        n = _unequal(merge(frags, "recompute", model, ratio=0.0, policy=policy), rot)
+        n = unequal_elements(merge(frags, "recompute", model, ratio=0.0, policy=policy), rot)
         lines.append(
             Line("recompute r=0", f"{policy}, {scope}, against rerotate", n, 0, "elements", PASS if n == 0 else FAIL)
         )
@@ -521,9 +573,9 @@ def _refused(what: str, expected: type[Exception], call, scope: str = "", unchan
     return Line(what, scope, "accepted", expected.__name__, "raised", FAIL, "kvlab went ahead")
 
 
-def _refusals(model: LoadedModel, ids: _TokenSource) -> list[Line]:
+def _refusals(model: LoadedModel, ids: TokenSource) -> list[Line]:
     """What does not compose, or lies outside the model, is refused, and refusing changes nothing."""
-    limit = _limit(model)
+    limit = position_limit(model)
     frag = prefill_tokens(model, ids(8))
     keys = [layer.keys.clone() for layer in frag.cache.layers]
 
@@ -567,7 +619,7 @@ def _file_round_trip(model: LoadedModel, exact: _Exact) -> list[Line]:
     scope = f"{merged.get_seq_length()} tokens"
     with tempfile.TemporaryDirectory(prefix="kvlab-certify-") as tmp:
         path = save_cache(Path(tmp) / "merged.kvcache", merged, model)
-        n = _unequal(load_cache(path, model).cache, merged)
+        n = unequal_elements(load_cache(path, model).cache, merged)
         foreign = variants(model, "int8")
         try:
             load_cache(path, foreign)

@@ -1,0 +1,87 @@
+"""``kvlab certify MODEL --merge/--shift/--store MODULE:NAME``: a store's own code audited on one model.
+
+:func:`audit` resolves every target first (an :class:`~kvlab.errors.AuditTargetError` before any
+work when one cannot be audited), then runs each audit and returns one
+:class:`~kvlab.measure.certify.Certificate`: the same lines, bounds, JSON and exit codes as the
+model's own certificate, with the transformers version it ran under as its first line.
+"""
+
+from __future__ import annotations
+
+import time
+
+from kvlab.errors import AuditTargetError
+from kvlab.files.identity import fingerprint, package_versions
+from kvlab.measure.audit.merge import LENGTHS, audit_merge
+from kvlab.measure.audit.shift import audit_shift
+from kvlab.measure.audit.store import audit_store
+from kvlab.measure.audit.target import MERGE, SHIFT, STORE, resolve
+from kvlab.measure.certify import INFO, Certificate, Line
+from kvlab.models.loaded import LoadedModel
+
+
+def versions_line() -> Line:
+    """An information line: the versions the audit ran under (a merge is only as right as the transformers it ran on)."""
+    v = package_versions("kvlab", "torch", "transformers")
+    return Line(
+        "versions",
+        "kvlab, torch, transformers",
+        f"transformers {v.get('transformers')}",
+        None,
+        "",
+        INFO,
+        ", ".join(f"{k} {v[k]}" for k in ("kvlab", "torch", "transformers")),
+    )
+
+
+def audit(
+    model: LoadedModel,
+    *,
+    merge=None,
+    shift=None,
+    store=None,
+    lengths: tuple[int, ...] = LENGTHS,
+    seed: int = 0,
+) -> Certificate:
+    """Audit a store's merge, shift and/or store on ``model``.
+
+    Parameters
+    ----------
+    model : LoadedModel
+    merge, shift, store : callable, object or str, optional
+        The function (object), or ``MODULE:NAME`` to import it from; see
+        :mod:`kvlab.measure.audit.target` for the contract each must follow.
+    lengths : tuple of int
+        Base fragment lengths of the merge's phase line.
+    seed : int
+        Seed of the random token ids.
+
+    Returns
+    -------
+    Certificate
+        ``target`` names what was audited; ``passed`` is True when no line failed.
+
+    Raises
+    ------
+    AuditTargetError
+        Nothing to audit, a target that cannot be imported, a signature outside the contract, or
+        a call that returned something other than a cache.
+    """
+    asked = [(kind, x) for kind, x in ((MERGE, merge), (SHIFT, shift), (STORE, store)) if x is not None]
+    if not asked:
+        raise AuditTargetError("nothing to audit: give a merge, a shift or a store")
+    targets = [(kind, resolve(kind, x)) for kind, x in asked]
+    t0 = time.perf_counter()
+    lines = [versions_line()]
+    for kind, target in targets:
+        if kind == MERGE:
+            got = audit_merge(model, target, lengths=lengths, seed=seed)
+        elif kind == SHIFT:
+            got = audit_shift(model, target, seed=seed)
+        else:
+            got = audit_store(model, target, seed=seed)
+        if len(targets) > 1:
+            got = [Line(x.check, f"{kind}: {x.scope}", x.value, x.bound, x.unit, x.status, x.detail) for x in got]
+        lines += got
+    name = "; ".join(t.name for _, t in targets)
+    return Certificate(model.name, lines, fingerprint(model), time.perf_counter() - t0, target=name)

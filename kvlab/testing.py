@@ -1,0 +1,154 @@
+"""pytest helpers for a store's own CI: its merge, shift or store audited on a model, failing with the lines.
+
+Also kvlab's own merge, shift and cache files behind the same contract (:func:`rerotate_merge`,
+:func:`kvlab_shift`, :class:`KvlabStore`): what passes every line, to compare a store's with or to use.
+
+.. code-block:: python
+
+    from kvlab.testing import assert_merge_conforms
+
+    def test_merge_conforms():
+        assert_merge_conforms(mystore.merge_caches, model="tiny-llama")
+
+Each helper runs :func:`kvlab.measure.audit.run.audit` and raises ``AssertionError`` whose message
+is the certificate's failing lines (check, scope, value beside bound, and what was wrong), so a
+failing test says which defect it found. It returns the :class:`~kvlab.measure.certify.Certificate`
+when every line passes. Models named here are loaded once per process.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from transformers import DynamicCache
+
+from kvlab.cache.fragments import Fragment
+from kvlab.cache.merge import merge
+from kvlab.cache.shift import shift_
+from kvlab.files.io import load_cache, save_cache
+from kvlab.measure.audit.run import audit
+from kvlab.measure.certify import Certificate
+from kvlab.models.loaded import LoadedModel
+from kvlab.models.sources import load_model, wrap
+
+#: The model the helpers audit on unless told otherwise: seeded, no files, seconds per audit.
+DEFAULT_AUDIT_MODEL = "tiny-llama"
+
+
+@functools.cache
+def _load(name: str) -> LoadedModel:
+    return load_model(name)
+
+
+def _model(model: str | LoadedModel) -> LoadedModel:
+    return model if isinstance(model, LoadedModel) else _load(str(model))
+
+
+def failure_message(cert: Certificate) -> str:
+    """The failing lines of ``cert``, one paragraph each, under the name of what was audited."""
+    out = [f"{cert.target} does not conform on {cert.model}:"]
+    for line in cert.lines:
+        if line.failed:
+            out.append(f"  {line.check} ({line.scope}): {line.value!r} against {line.bound!r} {line.unit}".rstrip())
+            if line.detail:
+                out.append(f"      {line.detail}")
+    return "\n".join(out)
+
+
+def _check(model: str | LoadedModel, **target) -> Certificate:
+    cert = audit(_model(model), **target)
+    if not cert.passed:
+        raise AssertionError(failure_message(cert))
+    return cert
+
+
+def assert_merge_conforms(fn, model: str | LoadedModel = DEFAULT_AUDIT_MODEL, **options) -> Certificate:
+    """Fail unless ``fn(caches[, model])`` passes every line of a merge audit on ``model``.
+
+    Parameters
+    ----------
+    fn : callable or str
+        The merge, or ``MODULE:NAME``.
+    model : str or LoadedModel
+        A kvlab model name (``kvlab models``) or a loaded model.
+    **options
+        Passed to :func:`kvlab.measure.audit.run.audit` (``lengths``, ``seed``).
+
+    Raises
+    ------
+    AssertionError
+        The failing lines. (:class:`~kvlab.errors.AuditTargetError` where ``fn`` breaks the contract.)
+    """
+    return _check(model, merge=fn, **options)
+
+
+def assert_shift_conforms(fn, model: str | LoadedModel = DEFAULT_AUDIT_MODEL, **options) -> Certificate:
+    """Fail unless ``fn(cache, delta[, model])`` passes every line of a shift audit on ``model``."""
+    return _check(model, shift=fn, **options)
+
+
+def assert_store_conforms(store, model: str | LoadedModel = DEFAULT_AUDIT_MODEL, **options) -> Certificate:
+    """Fail unless ``store`` (``save(cache, path[, model])``, ``load(path[, model])``) passes a store audit."""
+    return _check(model, store=store, **options)
+
+
+# --------------------------------------------------------------------------- kvlab's own, behind the contract
+
+
+def _bare(model) -> LoadedModel:
+    """A transformers model as kvlab's merge and shift read it (no tokenizer: neither reads one)."""
+    return LoadedModel(model=model, tokenizer=None, name="audited", config=model.config)
+
+
+def rerotate_merge(caches: list[DynamicCache], model) -> DynamicCache:
+    """kvlab's ``rerotate`` as a store's merge: ``caches`` prefilled from 0, in landing order, merged exactly.
+
+    Parameters
+    ----------
+    caches : list of DynamicCache
+        Keys and values ``[batch, kv_heads, kept, head_dim]`` per layer, each from position 0.
+    model : transformers.PreTrainedModel
+        The model that made them.
+
+    Returns
+    -------
+    DynamicCache
+        Slot ``j`` holds position ``j``; the inputs are never changed or aliased.
+    """
+    loaded = _bare(model)
+    frags = [
+        Fragment(cache=c, token_ids=None, text=None, start=0, model_name=loaded.name, config=model.config)
+        for c in caches
+    ]
+    return merge(frags, "rerotate", loaded)
+
+
+def kvlab_shift(cache: DynamicCache, delta: int, model) -> None:
+    """kvlab's ``shift_`` as a store's shift: ``cache`` (from position 0) turned by ``delta`` positions in place."""
+    shift_(cache, delta, _bare(model))
+
+
+class KvlabStore:
+    """kvlab's cache files as a store: ``save_cache`` / ``load_cache`` against the model handed in.
+
+    Parameters
+    ----------
+    tokenizer
+        The model's tokenizer: it is part of the fingerprint every file carries, so a file is
+        refused by a reader with another tokenizer, as by one with other weights.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._wrapped: dict[int, tuple] = {}
+
+    def _loaded(self, model) -> LoadedModel:
+        if id(model) not in self._wrapped:  # the model is kept too, so its id is never reused while remembered
+            self._wrapped[id(model)] = (model, wrap(model, self.tokenizer, name="audited"))
+        return self._wrapped[id(model)][1]
+
+    def save(self, cache: DynamicCache, path, model) -> None:
+        save_cache(path, cache, self._loaded(model))
+
+    def load(self, path, model) -> DynamicCache:
+        return load_cache(path, self._loaded(model)).cache
