@@ -49,10 +49,15 @@ def failure_message(cert: Certificate) -> str:
     out = [f"{cert.target} does not conform on {cert.model}:"]
     for line in cert.lines:
         if line.failed:
-            out.append(f"  {line.check} ({line.scope}): {line.value!r} against {line.bound!r} {line.unit}".rstrip())
+            value, bound = _show(line.value), _show(line.bound)
+            out.append(f"  {line.check} ({line.scope}): {value} against {bound} {line.unit}".rstrip())
             if line.detail:
                 out.append(f"      {line.detail}")
     return "\n".join(out)
+
+
+def _show(x) -> str:
+    return f"{x:.3g}" if isinstance(x, float) else str(x)
 
 
 def _check(model: str | LoadedModel, **target) -> Certificate:

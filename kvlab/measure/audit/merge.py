@@ -58,6 +58,7 @@ from kvlab.measure.certify import (
     FAIL,
     FLOOR_BOUND,
     INFO,
+    LENGTHS,
     PASS,
     Line,
     TokenSource,
@@ -73,9 +74,9 @@ from kvlab.measure.span import span_scores
 from kvlab.models.layout import layer_ropes
 from kvlab.models.loaded import LoadedModel
 
-#: Base lengths of the phase line: fragments of ``n``, ``n + 3`` and ``n // 2 + 1`` tokens each,
-#: three unequal fragments so that a landing computed from the wrong lengths shows.
-LENGTHS = (16, 128)
+# Base lengths of the phase line: certify's LENGTHS, each the first of three unequal fragments
+# (sizes()), so that a landing computed from the wrong lengths shows; a base whose three fragments
+# pass the model's last position is left out (512 on the tiny models).
 
 #: Tokens fed on top of a result by the length and by-reference lines.
 PROBE_TOKENS = 4
