@@ -22,10 +22,14 @@ from kvlab.cli import main
 from kvlab.errors import AuditTargetError
 from kvlab.measure.audit.run import audit
 from kvlab.measure.audit.target import SIGNATURES, Target, TargetRaised, load_object
-from kvlab.measure.certify import FAIL, NA, PASS
+from kvlab.measure.certify import FAIL, NA, PASS, REFUSED
+from kvlab.models.tiny import TINY_CONFIGS
 from kvlab.testing import assert_merge_conforms, assert_shift_conforms, assert_store_conforms
 
 HERE = Path(__file__).resolve().parent
+
+#: Tiny models whose rotations compose (all but dynamic NTK): kvlab's own pass every line on each.
+COMPOSING = sorted(set(TINY_CONFIGS) - {"tiny-dynamic"})
 
 #: Every check a merge audit reports, in order (the first line is the versions it ran under).
 MERGE_CHECKS = [
@@ -93,12 +97,41 @@ def test_the_helpers_pass_kvlabs_own_and_return_the_certificate():
     assert assert_store_conforms(T.kvlab_store, model=tiny("tiny-gemma3")).passed  # a loaded model does too
 
 
-@pytest.mark.parametrize("model", ["tiny-llama", "tiny-gemma3", "tiny-deepseek-v3"])
-def test_kvlabs_shift_and_files_pass(model):
-    for kind, name, checks in (("shift", "kvlab_shift", SHIFT_CHECKS), ("store", "kvlab_store", STORE_CHECKS)):
-        cert = certificate(model, kind, name)
-        assert cert.passed, cert.table(verbose=True)
-        assert list(dict.fromkeys(x.check for x in cert.lines)) == checks
+@functools.cache
+def own(model: str):
+    """kvlab's own merge, shift and files audited together on ``model``."""
+    return audit(tiny(model), merge=T.rerotate_merge, shift=T.kvlab_shift, store=T.kvlab_store)
+
+
+@pytest.mark.parametrize("model", COMPOSING)
+def test_kvlabs_own_merge_shift_and_files_pass_on_every_model_that_composes(model):
+    cert = own(model)
+    assert cert.passed, cert.table(verbose=True)
+    checks = list(dict.fromkeys(x.check for x in cert.lines))
+    assert checks == list(dict.fromkeys(MERGE_CHECKS + SHIFT_CHECKS + STORE_CHECKS))
+    # Three targets in one certificate: each line says which it belongs to.
+    assert {x.scope.split(":")[0] for x in cert.lines if x.check != "versions"} == {"merge", "shift", "store"}
+
+
+def test_on_a_model_that_does_not_compose_kvlabs_own_are_refused_not_failed():
+    cert = own("tiny-dynamic")
+    assert not cert.passed
+    statuses = {(x.scope.split(":")[0], x.check): x.status for x in cert.lines}
+    refused = {k for k, v in statuses.items() if v == REFUSED}
+    assert {c for _, c in refused} == {
+        "phase", "values", "length", "by reference", "dtype and device", "one fragment", "zero shift",
+    }  # fmt: skip
+    assert FAIL not in statuses.values()
+    assert all(statuses[("store", c)] == PASS for c in STORE_CHECKS[1:])
+    # A merge that goes ahead where kvlab refuses fails, naming why.
+    bare = certificate("tiny-dynamic", "merge", "bare_concat")
+    phase = line(bare, "phase")
+    assert phase.status == FAIL and "whose rotations do not compose: rope_type 'dynamic'" in phase.detail
+
+
+def test_longrope_shifts_past_the_switch_are_refused_and_the_rest_measured():
+    (phase,) = [x for x in own("tiny-longrope").lines if x.check == "phase" and x.scope.startswith("shift")]
+    assert phase.status == PASS and "refused, as kvlab refuses them, at shifts [37, 976]" in phase.detail
 
 
 # -- one defect, one line ------------------------------------------------------------------------------------------

@@ -1,9 +1,13 @@
-"""What every audit shares: a line that fails with the target's own error, fragments, the refusal model.
+"""What every audit shares: a line that fails with the target's own error, fragments, refusals.
 
 :func:`guarded` runs one line's measurement; whatever the audited code raised becomes that line,
 failing, with the frame that raised (:func:`~kvlab.measure.audit.target.describe_failure`), and a
 result kvlab's measures cannot even read (a layer missing, a tensor of the wrong rank) fails the
 line it was read for. Every other line is still measured.
+
+Where kvlab itself refuses what a line asks of the target (the model's rotations do not compose
+for those positions, :func:`kvlab_refusal`), a target that raises is right to: the line is
+``REFUSED``, as ``kvlab certify`` says of kvlab's own strategies, and the model is not certified.
 """
 
 from __future__ import annotations
@@ -13,9 +17,12 @@ import functools
 from transformers import DynamicCache
 
 from kvlab.cache.fragments import Fragment, clone_cache, prefill_tokens
+from kvlab.errors import UnsupportedRopeError
 from kvlab.measure.audit.target import TargetRaised, describe_failure
-from kvlab.measure.certify import FAIL, PASS, Line, TokenSource
+from kvlab.measure.certify import FAIL, PASS, REFUSED, Line, TokenSource
+from kvlab.models.layout import layer_ropes
 from kvlab.models.loaded import LoadedModel
+from kvlab.models.rope import check_composable
 from kvlab.models.sources import load_model
 
 #: A catalogue model whose rotations do not compose (dynamic NTK): a merge or shift must refuse it.
@@ -29,10 +36,54 @@ REFUSAL_WHY = (
 
 
 class Unfit(Exception):
-    """A result kvlab cannot measure for this line; the message says what is wrong with it."""
+    """A result kvlab cannot measure for this line; the message says what is wrong with it.
+
+    ``status`` is ``REFUSED`` where there is nothing to measure because kvlab refuses it too.
+    """
+
+    def __init__(self, message: str, status: str = FAIL):
+        super().__init__(message)
+        self.status = status
 
 
-def guarded(check: str, scope: str, bound, unit: str, measure) -> list[Line]:
+def kvlab_refusal(model: LoadedModel, spans: list[tuple[int, int, int]]) -> str | None:
+    """Why kvlab refuses to move keys as ``spans`` say on ``model``, or ``None`` where it does not.
+
+    Parameters
+    ----------
+    spans : list of (start, length, landing)
+        Where each fragment was prefilled and where it lands (a shift: one span).
+    """
+    try:
+        for rope in layer_ropes(model.model):
+            check_composable(rope, spans)
+    except UnsupportedRopeError as e:
+        return str(e)
+    return None
+
+
+def model_refusal(model: LoadedModel) -> str | None:
+    """Why kvlab refuses any merge or shift on ``model`` (dynamic NTK), or ``None``."""
+    return kvlab_refusal(model, [(0, 8, 0), (0, 8, 8)])
+
+
+def refused_detail(failure: str, refusal: str) -> str:
+    """What the target raised, and why kvlab refuses the same (once, where the target is kvlab's own)."""
+    if refusal[:80] in failure:
+        return f"raised {failure}; kvlab refuses it too, for the same reason"
+    return f"raised {failure}; kvlab refuses it too: {refusal[:200]}"
+
+
+def need(results: list, refusal: str | None) -> list:
+    """``results`` (of the phase line), or :class:`Unfit`: ``REFUSED`` where kvlab refused them all, else failing."""
+    if not results:
+        if refusal:
+            raise Unfit(f"nothing to read: kvlab refuses it too ({refusal[:160]})", REFUSED)
+        raise Unfit("nothing to read (the phase line says why)")
+    return results
+
+
+def guarded(check: str, scope: str, bound, unit: str, measure, refusal: str | None = None) -> list[Line]:
     """``measure()`` (a list of lines), or one failing ``check`` line saying why it could not be measured.
 
     Parameters
@@ -40,13 +91,18 @@ def guarded(check: str, scope: str, bound, unit: str, measure) -> list[Line]:
     measure : callable
         Returns the lines. :class:`TargetRaised` (the audited code raised), :class:`Unfit`, and
         any error kvlab's own measures raise on a malformed result, become the failing line.
+    refusal : str, optional
+        Why kvlab refuses what this line asks (:func:`model_refusal`): then a target that raised
+        is ``REFUSED``, not failing.
     """
     try:
         return measure()
     except TargetRaised as e:
+        if refusal:
+            return [Line(check, scope, None, bound, unit, REFUSED, refused_detail(e.failure, refusal))]
         return [Line(check, scope, None, bound, unit, FAIL, f"raised {e.failure}")]
     except Unfit as e:
-        return [Line(check, scope, None, bound, unit, FAIL, str(e))]
+        return [Line(check, scope, None, bound, unit, e.status, str(e))]
     except (RuntimeError, ValueError, IndexError, TypeError, AttributeError) as e:
         return [Line(check, scope, None, bound, unit, FAIL, f"kvlab could not read the result: {describe_failure(e)}")]
 
@@ -77,8 +133,6 @@ def dtype_line(results: list[tuple[str, DynamicCache]], ref) -> list[Line]:
     ref : torch.Tensor
         A tensor of the input.
     """
-    if not results:
-        raise Unfit("no result to read (the phase line says why)")
     wrong = [
         f"{label}: layer {li} {slot} {t.dtype} on {t.device}"
         for label, cache in results

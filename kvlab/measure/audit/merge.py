@@ -27,7 +27,7 @@ import torch
 from transformers import DynamicCache
 
 from kvlab.cache.fragments import Fragment, joined_prefill
-from kvlab.cache.merge import merge
+from kvlab.cache.merge import landing_positions, merge
 from kvlab.errors import KvlabError
 from kvlab.measure.audit.compare import (
     changes,
@@ -49,8 +49,12 @@ from kvlab.measure.audit.lines import (
     dtype_line,
     fragments,
     guarded,
+    kvlab_refusal,
+    model_refusal,
+    need,
     refusal_line,
     refusal_model,
+    refused_detail,
 )
 from kvlab.measure.audit.target import Target, TargetRaised, expect_cache
 from kvlab.measure.case import DEFAULT_ANSWERS, Case
@@ -60,6 +64,7 @@ from kvlab.measure.certify import (
     INFO,
     LENGTHS,
     PASS,
+    REFUSED,
     Line,
     TokenSource,
     exact_landing,
@@ -126,50 +131,75 @@ def audit_merge(model: LoadedModel, target: Target, *, lengths: tuple[int, ...] 
     """
     ids = TokenSource(model, seed)
     lengths = [n for n in lengths if sum(sizes(n)) <= position_limit(model)]
+    refusal = model_refusal(model)
     runs: list[MergeRun] = []
-    lines = _phase(model, target, ids, lengths, runs)
-    lines += guarded("values", "the slot without phase", REL_KEY_NOISE, "relative", lambda: _values(model, runs))
+    lines, none = _phase(model, target, ids, lengths, runs)
+    lines += guarded(
+        "values", "the slot without phase", REL_KEY_NOISE, "relative", lambda: _values(model, need(runs, none))
+    )
     probe = ids(PROBE_TOKENS)
     lines += guarded(
-        "length", "get_seq_length and a forward pass", FLOOR_BOUND, "nats", lambda: _length(model, runs, probe)
-    )
+        "length", "get_seq_length and a forward pass", FLOOR_BOUND, "nats",
+        lambda: _length(model, need(runs, none), probe),
+    )  # fmt: skip
     small = fragments(model, ids, sizes(min(lengths)))
     lines += guarded(
         "by reference", "inputs after the merge and a forward pass", 0, "problems",
-        lambda: _by_reference(model, target, small, probe),
+        lambda: _by_reference(model, target, small, probe), refusal,
     )  # fmt: skip
-    lines += guarded("sliding window", "past the window", 0, "layers wrong", lambda: _sliding(model, target, ids))
+    lines += guarded(
+        "sliding window", "past the window", 0, "layers wrong", lambda: _sliding(model, target, ids), refusal
+    )
     lines += guarded(
         "dtype and device", "every tensor of the result", 0, "tensors",
-        lambda: dtype_line([(f"{r.lengths} tokens", r.result) for r in runs], runs[0].frags[0].cache.layers[0].keys),
+        lambda: dtype_line([(f"{r.lengths} tokens", r.result) for r in need(runs, none)], small[0].cache.layers[0].keys),
     )  # fmt: skip
     lines += guarded(
-        "one fragment",
-        f"1 x {small[0].length} tokens",
-        REL_KEY_NOISE,
-        "relative",
-        lambda: _one(model, target, small[0]),
-    )
+        "one fragment", f"1 x {small[0].length} tokens", REL_KEY_NOISE, "relative",
+        lambda: _one(model, target, small[0]), refusal,
+    )  # fmt: skip
     lines += _empty(model, target)
     lines += _refusal(target)
-    lines += _context(model, target)
+    lines += _context(model, target, refusal)
     return lines
 
 
-def _phase(model: LoadedModel, target: Target, ids: TokenSource, lengths: list[int], runs: list) -> list[Line]:
-    """Every fragment's phase slot against the exact keys where it lands, per layer kind (fills ``runs``)."""
+def spans(frags: list[Fragment]) -> list[tuple[int, int, int]]:
+    """``(start, length, landing)`` of each fragment of a merge, for :func:`kvlab_refusal`."""
+    return [(f.start, f.length, land) for f, land in zip(frags, landing_positions(frags))]
+
+
+def _phase(
+    model: LoadedModel, target: Target, ids: TokenSource, lengths: list[int], runs: list
+) -> tuple[list[Line], str | None]:
+    """Every fragment's phase slot against the exact keys where it lands, per layer kind (fills ``runs``).
+
+    Fragments whose rotations do not compose on ``model`` must be refused: a target that raises
+    on them is right (their lengths are left out, or the line is ``REFUSED`` where that is all of
+    them), one that merges them fails. Returns the lines, and kvlab's refusal where nothing was merged.
+    """
     scope = "3 fragments of " + ", ".join("/".join(map(str, sizes(n))) for n in lengths) + " tokens"
     twin = exact_twin(model)
     worst: dict[str, tuple[float, str, int]] = {}
     naive: dict[str, float] = {}
-    floors = []
+    floors, refused = [], []
     try:
         for n in lengths:
-            run = MergeRun(target, model, fragments(model, ids, sizes(n)))
+            frags = fragments(model, ids, sizes(n))
+            refusal = kvlab_refusal(model, spans(frags))
+            try:
+                run = MergeRun(target, model, frags)
+            except TargetRaised as e:
+                if refusal is None:
+                    raise
+                refused.append((n, e.failure, refusal))
+                continue
+            if refusal is not None:
+                raise Unfit(f"merged {run.lengths} tokens, whose rotations do not compose: {refusal[:200]}")
             exact, at_own = exact_landing(twin, run.frags)
             problems = structure_problems(run.result, exact)
             if problems:
-                raise Unfit("; ".join(problems[:4]))
+                raise Unfit("the result cannot hold these keys: " + "; ".join(problems[:4]))
             runs.append(run)
             floor = max(REL_KEY_NOISE, *(own_noise(f.cache, c, model) for f, c in zip(run.frags, at_own)))
             floors.append(floor)
@@ -181,11 +211,15 @@ def _phase(model: LoadedModel, target: Target, ids: TokenSource, lengths: list[i
             for kind, (value, _) in key_error_by_kind(*tails(plain, exact, run.total), model, floor).items():
                 naive[kind] = max(naive.get(kind, 0.0), value)
     except TargetRaised as e:
-        return [Line("phase", scope, None, 1.0, "x rounding", FAIL, f"raised {e.failure}")]
+        return [Line("phase", scope, None, 1.0, "x rounding", FAIL, f"raised {e.failure}")], None
     except Unfit as e:
-        return [Line("phase", scope, None, 1.0, "x rounding", FAIL, f"the result cannot hold these keys: {e}")]
+        return [Line("phase", scope, None, 1.0, "x rounding", FAIL, str(e))], None
     finally:
         del twin
+    if not runs:
+        _, failure, refusal = refused[0]
+        return [Line("phase", scope, None, 1.0, "x rounding", REFUSED, refused_detail(failure, refusal))], refusal
+    also = f"; refused, as kvlab refuses them, at {[sizes(n) for n, _, _ in refused]}" if refused else ""
     out = []
     for kind, (value, part, n) in sorted(worst.items()):
         ok = value <= 1
@@ -200,16 +234,14 @@ def _phase(model: LoadedModel, target: Target, ids: TokenSource, lengths: list[i
                 PASS if ok else FAIL,
                 f"{what} (worst: {part}, fragments of {'/'.join(map(str, sizes(n)))}); against the float64 model "
                 f"prefilled where each fragment lands; the fragments' own fp32 noise {max(floors):.2g}; "
-                f"a naive concatenation {naive.get(kind, 0.0):.3g} x rounding",
+                f"a naive concatenation {naive.get(kind, 0.0):.3g} x rounding{also}",
             )
         )
-    return out
+    return out, None
 
 
 def _values(model: LoadedModel, runs: list[MergeRun]) -> list[Line]:
     """The slot without phase equals the fragments' own (kvlab's naive concatenation of them)."""
-    if not runs:
-        raise Unfit("no merge to read (the phase line says why)")
     ropes = layer_ropes(model.model)
     worst, where = 0.0, ""
     for run in runs:
@@ -228,8 +260,6 @@ def _values(model: LoadedModel, runs: list[MergeRun]) -> list[Line]:
 
 def _length(model: LoadedModel, runs: list[MergeRun], probe: torch.Tensor) -> list[Line]:
     """``get_seq_length()`` is the total, and the next token reads as on the same tensors in a cache kvlab built."""
-    if not runs:
-        raise Unfit("no merge to read (the phase line says why)")
     run = runs[0]
     total, result = run.total, run.result
     scope = f"{len(run.frags)} fragments, {total} tokens, {PROBE_TOKENS} tokens on top"
@@ -357,7 +387,7 @@ def _refusal(target: Target) -> list[Line]:
     )
 
 
-def _context(model: LoadedModel, target: Target) -> list[Line]:
+def _context(model: LoadedModel, target: Target, refusal: str | None) -> list[Line]:
     """What no rotation fixes (information): the answer-span KL behind the merge against the joined prefill."""
     case = Case.from_texts(model)
     scope = f"{len(case.fragments)} story fragments, {len(case.probes)} probes"
@@ -376,6 +406,6 @@ def _context(model: LoadedModel, target: Target) -> list[Line]:
         detail = f"top-1 agrees {agree}/{len(case.probes)}{kvlab}"
         return [Line("context error", scope, kl, None, "nats/token", INFO, detail)]
 
-    lines = guarded("context error", scope, None, "nats/token", measure)
+    lines = guarded("context error", scope, None, "nats/token", measure, refusal)
     # Information, never a gate: a failure to read is said, not counted.
     return [Line(x.check, x.scope, x.value, x.bound, x.unit, INFO, x.detail) for x in lines]

@@ -35,11 +35,15 @@ from kvlab.measure.audit.lines import (
     dtype_line,
     fragments,
     guarded,
+    kvlab_refusal,
+    model_refusal,
+    need,
     refusal_line,
     refusal_model,
+    refused_detail,
 )
 from kvlab.measure.audit.target import Target, TargetRaised, expect_cache
-from kvlab.measure.certify import FAIL, PASS, Line, TokenSource, exact_twin, position_limit, sliding_window
+from kvlab.measure.certify import FAIL, PASS, REFUSED, Line, TokenSource, exact_twin, position_limit, sliding_window
 from kvlab.measure.metrics import REL_KEY_NOISE
 from kvlab.models.layout import layer_ropes
 from kvlab.models.loaded import LoadedModel
@@ -77,45 +81,69 @@ def audit_shift(model: LoadedModel, target: Target, *, tokens: int = TOKENS, see
     window = sliding_window(model)
     n = max(tokens, window + 8) if window else tokens
     (frag,) = fragments(model, ids, [n])
+    refusal = model_refusal(model)
     runs: list[ShiftRun] = []
-    lines = _phase(model, target, frag, runs)
-    lines += guarded("values", "the slot without phase", REL_KEY_NOISE, "relative", lambda: _values(model, runs))
-    lines += guarded("length", "every layer", 0, "layers wrong", lambda: _length(runs))
-    lines += guarded("by reference", "the input of a shift", 0, "problems", lambda: _by_reference(runs))
-    lines += guarded("zero shift", f"{n} tokens by 0", 0, "elements", lambda: _zero(model, target, frag))
+    lines, none = _phase(model, target, frag, runs)
+    lines += guarded(
+        "values", "the slot without phase", REL_KEY_NOISE, "relative", lambda: _values(model, need(runs, none))
+    )
+    lines += guarded("length", "every layer", 0, "layers wrong", lambda: _length(need(runs, none)))
+    lines += guarded("by reference", "the input of a shift", 0, "problems", lambda: _by_reference(need(runs, none)))
+    lines += guarded("zero shift", f"{n} tokens by 0", 0, "elements", lambda: _zero(model, target, frag), refusal)
     lines += guarded(
         "dtype and device", "every tensor of the result", 0, "tensors",
-        lambda: dtype_line([(f"shift {r.delta}", r.result) for r in runs], frag.cache.layers[0].keys),
+        lambda: dtype_line([(f"shift {r.delta}", r.result) for r in need(runs, none)], frag.cache.layers[0].keys),
     )  # fmt: skip
     lines += _refusal(target)
     return lines
 
 
-def _phase(model: LoadedModel, target: Target, frag: Fragment, runs: list) -> list[Line]:
-    """The phase slot against the float64 model prefilled at ``delta``, per layer kind (fills ``runs``)."""
+def _phase(model: LoadedModel, target: Target, frag: Fragment, runs: list) -> tuple[list[Line], str | None]:
+    """The phase slot against the float64 model prefilled at ``delta``, per layer kind (fills ``runs``).
+
+    A shift whose rotation does not compose on ``model`` must be refused: a target that raises
+    there is right (the shift is left out, or the line is ``REFUSED`` where that is every shift),
+    one that turns the keys anyway fails. Returns the lines, and kvlab's refusal where nothing was turned.
+    """
     moves = deltas(model, frag.length)
     scope = f"{frag.length} tokens by {', '.join(map(str, moves))}"
     twin = exact_twin(model)
     worst: dict[str, tuple[float, str, int]] = {}
+    refused = []
     try:
         floor = max(REL_KEY_NOISE, own_noise(frag.cache, prefill_ids(twin, frag.token_ids), model))
         for delta in moves:
-            run = ShiftRun(target, model, frag, delta)
+            refusal = kvlab_refusal(model, [(0, frag.length, delta)])
+            try:
+                run = ShiftRun(target, model, frag, delta)
+            except TargetRaised as e:
+                if refusal is None:
+                    raise
+                refused.append((delta, e.failure, refusal))
+                continue
+            if refusal is not None:
+                raise Unfit(
+                    f"turned {frag.length} tokens by {delta}, a rotation that does not compose: {refusal[:200]}"
+                )
             exact = prefill_ids(twin, frag.token_ids, delta)
             problems = structure_problems(run.result, exact)
             if problems:
-                raise Unfit("; ".join(problems[:4]))
+                raise Unfit("the result cannot hold these keys: " + "; ".join(problems[:4]))
             runs.append(run)
             errors = key_error_by_kind(*tails(run.result, exact, frag.length), model, floor, offset=delta)
             for kind, (value, part) in errors.items():
                 if kind not in worst or value > worst[kind][0]:
                     worst[kind] = (value, part, delta)
     except TargetRaised as e:
-        return [Line("phase", scope, None, 1.0, "x rounding", FAIL, f"raised {e.failure}")]
+        return [Line("phase", scope, None, 1.0, "x rounding", FAIL, f"raised {e.failure}")], None
     except Unfit as e:
-        return [Line("phase", scope, None, 1.0, "x rounding", FAIL, f"the result cannot hold these keys: {e}")]
+        return [Line("phase", scope, None, 1.0, "x rounding", FAIL, str(e))], None
     finally:
         del twin
+    if not runs:
+        _, failure, refusal = refused[0]
+        return [Line("phase", scope, None, 1.0, "x rounding", REFUSED, refused_detail(failure, refusal))], refusal
+    also = f"; refused, as kvlab refuses them, at shifts {[d for d, _, _ in refused]}" if refused else ""
     return [
         Line(
             "phase",
@@ -125,16 +153,14 @@ def _phase(model: LoadedModel, target: Target, frag: Fragment, runs: list) -> li
             "x rounding",
             PASS if value <= 1 else FAIL,
             f"{'within rounding' if value <= 1 else part + ' wrong'} (worst: {part}, shift {delta}); against the "
-            f"float64 model prefilled at the new positions; the fragment's own fp32 noise {floor:.2g}",
+            f"float64 model prefilled at the new positions; the fragment's own fp32 noise {floor:.2g}{also}",
         )
         for kind, (value, part, delta) in sorted(worst.items())
-    ]
+    ], None
 
 
 def _values(model: LoadedModel, runs: list[ShiftRun]) -> list[Line]:
     """The slot without phase is the fragment's own."""
-    if not runs:
-        raise Unfit("no shift to read (the phase line says why)")
     ropes = layer_ropes(model.model)
     worst, where = 0.0, ""
     for run in runs:
@@ -151,8 +177,6 @@ def _values(model: LoadedModel, runs: list[ShiftRun]) -> list[Line]:
 
 def _length(runs: list[ShiftRun]) -> list[Line]:
     """Every layer keeps its tokens and its length (a shift moves positions, it adds and drops nothing)."""
-    if not runs:
-        raise Unfit("no shift to read (the phase line says why)")
     wrong = set()
     for run in runs:
         for li, (a, b) in enumerate(zip(run.result.layers, run.frag.cache.layers, strict=True)):
@@ -165,8 +189,6 @@ def _length(runs: list[ShiftRun]) -> list[Line]:
 
 def _by_reference(runs: list[ShiftRun]) -> list[Line]:
     """A shift into a new cache leaves its input unchanged and shares no memory with it."""
-    if not runs:
-        raise Unfit("no shift to read (the phase line says why)")
     problems = []
     for run in runs:
         if run.in_place:
