@@ -211,6 +211,17 @@ def changes(caches: list[DynamicCache], snap: list[list[tuple]]) -> list[str]:
     return out
 
 
+def first_changes(inputs: list[DynamicCache], before) -> list[str]:
+    """:func:`changes`, the first per fragment (one names the defect)."""
+    seen, out = set(), []
+    for c in changes(inputs, before):
+        frag = c.split(" layer")[0]
+        if frag not in seen:
+            seen.add(frag)
+            out.append(c)
+    return out
+
+
 def shared_storage(cache: DynamicCache, inputs: list[DynamicCache]) -> list[str]:
     """Layers of ``cache`` whose keys or values share memory with any tensor of ``inputs``."""
     held = {}

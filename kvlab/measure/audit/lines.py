@@ -17,6 +17,7 @@ import functools
 from transformers import DynamicCache
 
 from kvlab.cache.fragments import Fragment, clone_cache, prefill_tokens
+from kvlab.cache.merge import landing_positions
 from kvlab.errors import UnsupportedRopeError
 from kvlab.measure.audit.target import TargetRaised, describe_failure
 from kvlab.measure.certify import FAIL, PASS, REFUSED, Line, TokenSource
@@ -105,6 +106,11 @@ def guarded(check: str, scope: str, bound, unit: str, measure, refusal: str | No
         return [Line(check, scope, None, bound, unit, e.status, str(e))]
     except (RuntimeError, ValueError, IndexError, TypeError, AttributeError) as e:
         return [Line(check, scope, None, bound, unit, FAIL, f"kvlab could not read the result: {describe_failure(e)}")]
+
+
+def spans(frags: list[Fragment]) -> list[tuple[int, int, int]]:
+    """``(start, length, landing)`` of each fragment of a merge, for :func:`kvlab_refusal`."""
+    return [(f.start, f.length, land) for f, land in zip(frags, landing_positions(frags))]
 
 
 def fragments(model: LoadedModel, ids: TokenSource, sizes: list[int]) -> list[Fragment]:

@@ -27,10 +27,10 @@ import torch
 from transformers import DynamicCache
 
 from kvlab.cache.fragments import Fragment, joined_prefill
-from kvlab.cache.merge import landing_positions, merge
+from kvlab.cache.merge import merge
 from kvlab.errors import KvlabError
 from kvlab.measure.audit.compare import (
-    changes,
+    first_changes,
     key_error_by_kind,
     next_log_probs,
     other_slot,
@@ -55,6 +55,7 @@ from kvlab.measure.audit.lines import (
     refusal_line,
     refusal_model,
     refused_detail,
+    spans,
 )
 from kvlab.measure.audit.target import Target, TargetRaised, expect_cache
 from kvlab.measure.case import DEFAULT_ANSWERS, Case
@@ -162,11 +163,6 @@ def audit_merge(model: LoadedModel, target: Target, *, lengths: tuple[int, ...] 
     lines += _refusal(target)
     lines += _context(model, target, refusal)
     return lines
-
-
-def spans(frags: list[Fragment]) -> list[tuple[int, int, int]]:
-    """``(start, length, landing)`` of each fragment of a merge, for :func:`kvlab_refusal`."""
-    return [(f.start, f.length, land) for f, land in zip(frags, landing_positions(frags))]
 
 
 def _phase(
@@ -295,7 +291,7 @@ def _by_reference(model: LoadedModel, target: Target, frags: list[Fragment], pro
     inputs = caches(frags)
     before = snapshot(inputs)
     result = expect_cache(target.call(inputs, model.model), target.name, f"{len(frags)} fragments")
-    problems = [f"by the merge: {c}" for c in changes_of(inputs, before)]
+    problems = [f"by the merge: {c}" for c in first_changes(inputs, before)]
     problems += [f"the result is fragment {i}'s cache itself" for i, c in enumerate(inputs) if c is result]
     problems += shared_storage(result, inputs)
     note = ""
@@ -305,22 +301,11 @@ def _by_reference(model: LoadedModel, target: Target, frags: list[Fragment], pro
         # The result itself is broken (the length or sliding-window line names how): only the merge is checked here.
         note = f"; no forward pass through the result (it raised {type(e).__name__}), so only the merge was checked"
     if not problems:  # changed by the merge already, or sharing memory: the forward pass would say it again
-        problems = [f"by a forward pass through the result: {c}" for c in changes_of(inputs, before)]
+        problems = [f"by a forward pass through the result: {c}" for c in first_changes(inputs, before)]
     scope = f"{len(frags)} fragments, {PROBE_TOKENS} tokens read through the result"
     detail = "; ".join(problems[:4]) + (f" (+{len(problems) - 4})" if len(problems) > 4 else "")
     status = FAIL if problems else PASS
     return [Line("by reference", scope, len(problems), 0, "problems", status, (detail or "inputs intact") + note)]
-
-
-def changes_of(inputs: list[DynamicCache], before) -> list[str]:
-    """:func:`~kvlab.measure.audit.compare.changes`, the first per fragment (one names the defect)."""
-    seen, out = set(), []
-    for c in changes(inputs, before):
-        frag = c.split(" layer")[0]
-        if frag not in seen:
-            seen.add(frag)
-            out.append(c)
-    return out
 
 
 def _sliding(model: LoadedModel, target: Target, ids: TokenSource) -> list[Line]:
