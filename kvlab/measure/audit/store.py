@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import pickle
 import tempfile
 import warnings
 from pathlib import Path
@@ -41,14 +40,13 @@ CHILD_TIMEOUT = 120
 FLIPPED = 16
 
 
-class Payload:
-    """Unpickled, it opens (so creates) ``canary``: what a malicious cache file could do instead."""
+def payload(canary: Path) -> bytes:
+    """A pickle (protocol 2 header, written by hand: kvlab imports no pickle module) that, loaded, opens so creates ``canary``.
 
-    def __init__(self, canary: str):
-        self.canary = canary
-
-    def __reduce__(self):
-        return (open, (self.canary, "w"))
+    What a malicious cache file could do instead; the opcodes are PROTO 2, GLOBAL builtins.open, MARK, two
+    unicode strings, TUPLE, REDUCE, STOP.
+    """
+    return b"\x80\x02cbuiltins\nopen\n(V" + str(canary).encode("raw-unicode-escape") + b"\nVw\ntR."
 
 
 def audit_store(model: LoadedModel, store: Store, *, seed: int = 0) -> list[Line]:
@@ -209,9 +207,9 @@ def _pickle(model: LoadedModel, store: Store, cache: DynamicCache) -> list[Line]
     with tempfile.TemporaryDirectory(prefix="kvlab-audit-") as tmp, tempfile.TemporaryDirectory() as watch:
         path, files = _save(model, store, cache, Path(tmp))
         canary = Path(watch) / "canary"
-        payload = pickle.dumps(Payload(str(canary)))
+        data = payload(canary)
         for f in files:
-            f.write_bytes(payload)
+            f.write_bytes(data)
         ctx = multiprocessing.get_context("fork")
         parent, child = ctx.Pipe(duplex=False)
         proc = ctx.Process(target=_child_load, args=(store, str(path), model.model, child), daemon=True)
