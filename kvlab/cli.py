@@ -61,7 +61,16 @@ def _certify(args) -> int:
 
     torch.manual_seed(0)
     targets = {"merge": args.merge, "shift": args.shift, "store": args.store}
-    if any(targets.values()):
+    if args.engine_merge:
+        from kvlab.errors import AuditTargetError
+        from kvlab.measure.audit.target import ENGINE, resolve
+        from kvlab.peers.audit import audit_engine, llama_cpp_cache_reuse
+
+        if any(targets.values()):
+            raise AuditTargetError("--engine-merge is audited on its own: drop --merge, --shift and --store")
+        spec = llama_cpp_cache_reuse if args.engine_merge == LLAMA_CPP else args.engine_merge
+        cert = audit_engine(load_model(args.model), resolve(ENGINE, spec))
+    elif any(targets.values()):
         from kvlab.measure.audit.run import audit
         from kvlab.measure.audit.target import resolve
 
@@ -348,6 +357,9 @@ def _sweep(args) -> int:
 
 MODEL_HELP = "a kvlab model name (kvlab models), a Hugging Face model folder or a .gguf file"
 
+#: ``--engine-merge`` with no target: llama.cpp's own cache reuse.
+LLAMA_CPP = "llama.cpp"
+
 
 def parser() -> argparse.ArgumentParser:
     """The ``kvlab`` argument parser, every subcommand with its options."""
@@ -391,6 +403,14 @@ def parser() -> argparse.ArgumentParser:
         "--store",
         metavar="MODULE:OBJECT",
         help="a store: OBJECT.save(cache, path[, model]), OBJECT.load(path[, model])",
+    )
+    audit.add_argument(
+        "--engine-merge",
+        metavar="MODULE:FUNCTION",
+        nargs="?",
+        const=LLAMA_CPP,
+        help="a merge inside llama.cpp: FUNCTION(engine, fragments) leaves the merge in sequence 0; alone, "
+        "llama.cpp's own cache reuse (needs the peers extra and a model with a GGUF file)",
     )
     p.set_defaults(func=_certify)
     p = sub.add_parser(

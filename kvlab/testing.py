@@ -30,6 +30,7 @@ from kvlab.measure.audit.run import audit
 from kvlab.measure.certify import Certificate
 from kvlab.models.loaded import LoadedModel
 from kvlab.models.sources import load_model, wrap
+from kvlab.peers.audit import audit_engine, llama_cpp_cache_reuse
 
 #: The model the helpers audit on unless told otherwise: seeded, no files, seconds per audit.
 DEFAULT_AUDIT_MODEL = "tiny-llama"
@@ -95,6 +96,27 @@ def assert_shift_conforms(fn, model: str | LoadedModel = DEFAULT_AUDIT_MODEL, **
 def assert_store_conforms(store, model: str | LoadedModel = DEFAULT_AUDIT_MODEL, **options) -> Certificate:
     """Fail unless ``store`` (``save(cache, path[, model])``, ``load(path[, model])``) passes a store audit."""
     return _check(model, store=store, **options)
+
+
+def assert_engine_merge_conforms(
+    fn=llama_cpp_cache_reuse, model: str | LoadedModel = "smollm2-135m", **options
+) -> Certificate:
+    """Fail unless ``fn(engine, fragments)`` passes every line of an engine merge audit (needs the ``peers`` extra).
+
+    Parameters
+    ----------
+    fn : callable or str
+        A merge that drives llama.cpp through :class:`kvlab.peers.llama_cpp.LlamaEngine`, or
+        ``MODULE:NAME``; default llama.cpp's own cache reuse.
+    model : str or LoadedModel
+        A model with a GGUF file (``kvlab models``: SmolLM2 or Gemma 3).
+    **options
+        Passed to :func:`kvlab.peers.audit.audit_engine` (``fragment_sets``, ``seed``).
+    """
+    cert = audit_engine(_model(model), fn, **options)
+    if not cert.passed:
+        raise AssertionError(failure_message(cert))
+    return cert
 
 
 # --------------------------------------------------------------------------- kvlab's own, behind the contract

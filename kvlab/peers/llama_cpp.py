@@ -407,6 +407,8 @@ class LlamaEngine:
             Total tokens now in sequence 0.
         """
         self._live()
+        if not fragments:
+            raise PeerError("nothing to merge: the list of fragments is empty")
         if len(fragments) > self.n_seq_max:
             raise PeerError(
                 f"{len(fragments)} fragments need {len(fragments)} sequences; "
@@ -433,6 +435,8 @@ class LlamaEngine:
         two differ only by the rounding of the rotation of f16 keys.
         """
         self._live()
+        if not fragments:
+            raise PeerError("nothing to merge: the list of fragments is empty")
         if len(fragments) > self.n_seq_max:
             raise PeerError(
                 f"{len(fragments)} fragments need {len(fragments)} sequences; "

@@ -18,7 +18,7 @@ from transformers import DynamicCache
 
 from kvlab.cache.fragments import Fragment, clone_cache, prefill_tokens
 from kvlab.cache.merge import landing_positions
-from kvlab.errors import UnsupportedRopeError
+from kvlab.errors import PeerError, UnsupportedRopeError
 from kvlab.measure.audit.target import TargetRaised, describe_failure
 from kvlab.measure.certify import FAIL, PASS, REFUSED, Line, TokenSource
 from kvlab.models.layout import layer_ropes
@@ -104,7 +104,8 @@ def guarded(check: str, scope: str, bound, unit: str, measure, refusal: str | No
         return [Line(check, scope, None, bound, unit, FAIL, f"raised {e.failure}")]
     except Unfit as e:
         return [Line(check, scope, None, bound, unit, e.status, str(e))]
-    except (RuntimeError, ValueError, IndexError, TypeError, AttributeError) as e:
+    except (RuntimeError, ValueError, IndexError, TypeError, AttributeError, PeerError) as e:
+        # PeerError: llama.cpp refused kvlab's own read of what an engine merge left behind
         return [Line(check, scope, None, bound, unit, FAIL, f"kvlab could not read the result: {describe_failure(e)}")]
 
 

@@ -9,6 +9,10 @@ The contract (``docs/audit.md``), in the shape stores use:
   positions, in place (returning ``None`` or the cache) or into a new cache it returns.
 * store: an object with ``save(cache, path)`` (or ``save(cache, path, model)``) and
   ``load(path)`` (or ``load(path, model)``), the model being the one that reads.
+* engine merge: ``fn(engine, fragments)``: ``engine`` a :class:`kvlab.peers.llama_cpp.LlamaEngine`
+  (one llama.cpp context, one sequence per fragment), ``fragments`` the token ids ``[L_i]`` of each
+  fragment in landing order. Leaves the merge in sequence 0, as llama.cpp's ``--cache-reuse`` does
+  (audited by :mod:`kvlab.peers.audit`, through logits: llama.cpp's cache is not read as tensors).
 
 Foreign code must never take kvlab down: :meth:`Target.call` turns whatever it raises into
 :class:`TargetRaised`, which the audit writes as a failing line naming the frame that raised.
@@ -30,7 +34,7 @@ from transformers import DynamicCache
 
 from kvlab.errors import AuditTargetError
 
-MERGE, SHIFT, STORE = "merge", "shift", "store"
+MERGE, SHIFT, STORE, ENGINE = "merge", "shift", "store", "engine merge"
 
 #: Per kind, the positional arguments the contract allows, fewest first (the model comes last).
 SIGNATURES = {
@@ -38,6 +42,7 @@ SIGNATURES = {
     SHIFT: (("cache", "delta"), ("cache", "delta", "model")),
     "save": (("cache", "path"), ("cache", "path", "model")),
     "load": (("path",), ("path", "model")),
+    ENGINE: (("engine", "fragments"),),
 }
 
 
@@ -140,7 +145,7 @@ class Target:
     name : str
         How lines and errors name it (``merge mystore:merge_caches``).
     kind : str
-        ``merge``, ``shift``, ``save`` or ``load`` (a key of :data:`SIGNATURES`).
+        ``merge``, ``shift``, ``save``, ``load`` or ``engine merge`` (a key of :data:`SIGNATURES`).
     arity : int
         Positional arguments it is called with: the contract's first ``arity``.
     """
@@ -218,15 +223,20 @@ def target_name(kind: str, obj_or_spec) -> str:
 
 
 def resolve(kind: str, obj_or_spec) -> Target | Store:
-    """A :class:`Target` (merge, shift) or :class:`Store` from an object or a ``MODULE:NAME`` string (or one already resolved)."""
+    """A :class:`Target` (merge, shift, engine merge) or :class:`Store`.
+
+    From an object, a ``MODULE:NAME`` string, or one already resolved.
+    """
     if isinstance(obj_or_spec, Store if kind == STORE else Target) and (kind == STORE or obj_or_spec.kind == kind):
         return obj_or_spec
     name = target_name(kind, obj_or_spec)
     obj = load_object(obj_or_spec) if isinstance(obj_or_spec, str) else obj_or_spec
     if kind == STORE:
         return Store.of(obj, name)
-    if kind not in (MERGE, SHIFT):
-        raise AuditTargetError(f"unknown audit kind {kind!r}; kvlab audits a merge, a shift or a store")
+    if kind not in (MERGE, SHIFT, ENGINE):
+        raise AuditTargetError(
+            f"unknown audit kind {kind!r}; kvlab audits a merge, a shift, a store or an engine merge"
+        )
     return Target.of(obj, name, kind)
 
 
