@@ -107,7 +107,7 @@ lint: setup
 	$(VENV)/bin/lint-imports
 
 bench: setup
-	$(PY) benchmarks/merge.py
+	$(PY) -m benchmarks.merge
 
 # Every shipped study (studies/*.toml) on a local Dask cluster; results in runs/<study>/.
 # Finished points are kept: a rerun does only what is missing or failed.

@@ -1,6 +1,6 @@
 """Time fingerprints, the weights digest and cache-file save/load; print figures and ratios of one run.
 
-    .venv/bin/python benchmarks/cachefile.py [--tokens 1024] [--repeats 7] [--gemma]
+    .venv/bin/python -m benchmarks.cachefile [--tokens 1024] [--repeats 7] [--gemma]
 
 Targets (issue 3):
 * the fingerprint without the weights digest takes at most 50 ms;
@@ -21,7 +21,7 @@ target) and the rejected one (``safetensors.torch.save`` to bytes, written by
 memory over one save (VmHWM, reset through /proc/self/clear_refs). safetensors' load_file maps the file and reads
 nothing until a tensor is touched, so the raw load is timed as load_file plus building
 the same DynamicCache from its tensors (what any usable load does); the lazy figure is
-printed too. Like benchmarks/merge.py, the save/load part runs
+printed too. Like benchmarks/merge.py (:mod:`benchmarks.timing`), the save/load part runs
 twice in child processes: with glibc's malloc defaults (every fresh 100 MB buffer pays
 page faults) and with glibc told to keep freed memory, as a serving process would.
 """
@@ -40,12 +40,12 @@ import time
 from pathlib import Path
 
 import torch
-from merge import run_each_malloc  # benchmarks/merge.py: run as a script, this folder is sys.path[0]
 from safetensors.torch import load_file, save, save_file
 
 import kvlab
 import kvlab.files.identity as fpmod
 import kvlab.files.io as cio
+from benchmarks.timing import run_each_malloc
 from kvlab.atomic import atomic_path, atomic_write_bytes
 from kvlab.cache.fragments import new_cache
 from kvlab.files.format import kvlab_metadata
@@ -259,7 +259,7 @@ def main() -> None:
         for m in models:
             bench_weights(m, max(3, args.repeats // 2))
         del models
-        run_each_malloc(__file__, sys.argv[1:], title="save/load, glibc malloc")
+        run_each_malloc(__spec__.name, sys.argv[1:], title="save/load, glibc malloc")
         return
     bench_files(kvlab.load_model("smollm2-135m"), args.tokens, args.repeats)
 

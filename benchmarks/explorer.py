@@ -1,6 +1,6 @@
 """How long the merge explorer takes to redraw after a strategy change, on a real model.
 
-    .venv/bin/python benchmarks/explorer.py [--model smollm2-135m] [--repeats 5]
+    .venv/bin/python -m benchmarks.explorer [--model smollm2-135m] [--repeats 5]
 
 Builds :class:`kvlab.lab.explorer.MergeExplorer` on the model with its default fragments and
 probes (the model loaded and the fragments prefilled first, untimed), then switches the

@@ -1,6 +1,6 @@
 """A half-precision reader's forward pass: torch's CPU bf16/fp16 GEMM against kvlab's WideLinear.
 
-    .venv/bin/python benchmarks/halfgemm.py [--model smollm2-135m] [--tokens 256 8] [--repeats 3]
+    .venv/bin/python -m benchmarks.halfgemm [--model smollm2-135m] [--tokens 256 8] [--repeats 3]
 
 ``kvlab.variants(model, "bf16" | "fp16")`` runs each linear layer as an fp32 GEMM of the
 half-precision weights and activations, rounded once to the half dtype

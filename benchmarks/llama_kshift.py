@@ -1,6 +1,6 @@
 """Time llama.cpp's K-shift of a two-fragment merge against kvlab's rerotate, in one run.
 
-    .venv/bin/python benchmarks/llama_kshift.py [--tokens 1024] [--repeats 10]
+    .venv/bin/python -m benchmarks.llama_kshift [--tokens 1024] [--repeats 10]
 
 Both sides merge the same two fragments of N random tokens (SmolLM2, warm, after one
 untimed run each). llama.cpp (the ``peers`` extra) holds them as two sequences of one
@@ -15,15 +15,13 @@ and reports K-shift = shift+decode - decode (medians). kvlab's figure is
 ``kvlab.merge(frags, "rerotate", model)`` on fp32 fragments, which builds a new cache (a copy
 of every K and V) as well as rotating. llama.cpp rotates f16 keys in place, over every cell
 of the cache, so its context is sized to the merge (printed). Each side uses this process's
-torch thread count. (The file is not called ``llama_cpp.py``: a script's folder comes first
-on ``sys.path``, so that name would shadow the ``llama_cpp`` package itself.) Like ``merge.py``, the
-run is repeated with glibc told to keep freed memory.
+torch thread count. Like ``benchmarks.merge``, the run is repeated with glibc told to keep
+freed memory (:func:`benchmarks.timing.run_each_malloc`).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -31,10 +29,8 @@ import time
 import torch
 
 import kvlab
+from benchmarks.timing import run_each_malloc, timed
 from kvlab import peers
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from merge import run_each_malloc, timed  # noqa: E402 (the shared malloc runs and timer)
 
 
 def main() -> None:
@@ -44,7 +40,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10)
     args = ap.parse_args()
     if args.child is None:
-        run_each_malloc(__file__, sys.argv[1:])
+        run_each_malloc(__spec__.name, sys.argv[1:])
         return
     torch.manual_seed(0)
     model = kvlab.load_model("smollm2-135m")

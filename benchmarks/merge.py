@@ -1,13 +1,13 @@
 """Time naive, rerotate and reprefill merges on SmolLM2 and print the ratios of one run.
 
-    .venv/bin/python benchmarks/merge.py [--sizes 256 1024 4096] [--repeats 20]
+    .venv/bin/python -m benchmarks.merge [--sizes 256 1024 4096] [--repeats 20]
 
 A merge is memory-bound: it writes every K and V once more. On this VM a fresh 100 MB
 allocation costs 4x a copy into memory already touched (page faults; glibc hands big
 blocks back to the kernel on free). So the script runs each size twice, in child
-processes: with glibc's defaults, and with glibc told to keep freed memory
-(MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_), which is what a serving process with a
-caching allocator (jemalloc, tcmalloc) sees. Both tables are printed.
+processes (:func:`benchmarks.timing.run_each_malloc`): with glibc's defaults, and with glibc
+told to keep freed memory (MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_), which is what a
+serving process with a caching allocator (jemalloc, tcmalloc) sees. Both tables are printed.
 
 Targets (issue 2): rerotate <= 1.5x naive (a merge copies K and V once anyway), and
 rerotate >= 200x faster than reprefill at 2x1024 tokens.
@@ -16,44 +16,12 @@ rerotate >= 200x faster than reprefill at 2x1024 tokens.
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
-import subprocess
 import sys
-import time
 
 import torch
 
 import kvlab
-
-
-def run_each_malloc(script: str, argv: list[str], modes=("default", "tuned"), title: str = "glibc malloc") -> None:
-    """Run ``script --child MODE argv`` once per malloc mode: glibc's defaults and :data:`TUNED`.
-
-    Malloc settings are read at process start, so each mode needs a process of its own.
-    """
-    for mode in modes:
-        env = dict(os.environ, **(TUNED if mode == "tuned" else {}))
-        print(f"\n== {title}: {mode} ==", flush=True)
-        subprocess.run([sys.executable, script, "--child", mode] + argv, env=env, check=True)
-
-
-def timed(fn, repeats: int) -> float:
-    """Median wall time in seconds over ``repeats`` runs (after one warm-up)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-TUNED = {
-    "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
-    "MALLOC_TRIM_THRESHOLD_": str(4 << 30),
-    "MALLOC_TOP_PAD_": str(256 << 20),
-}
+from benchmarks.timing import run_each_malloc, timed
 
 
 def main() -> None:
@@ -65,7 +33,7 @@ def main() -> None:
     ap.add_argument("--reprefill-repeats", type=int, default=1)
     args = ap.parse_args()
     if args.child is None:
-        run_each_malloc(__file__, sys.argv[1:])
+        run_each_malloc(__spec__.name, sys.argv[1:])
         return
     torch.manual_seed(0)
     model = kvlab.load_model(args.model)

@@ -1,6 +1,6 @@
 """Questions scored per CPU-second on the long-context study: the old probe reads against read_probes.
 
-    nice -n 10 .venv/bin/python benchmarks/probes.py [--counts 2 8] [--old-questions 3] [--threads 1 2]
+    nice -n 10 .venv/bin/python -m benchmarks.probes [--counts 2 8] [--old-questions 3] [--threads 1 2]
 
 Builds each configuration as the study does (``kvlab.findings.longctx``: ``make_set`` with the
 study's seed for set 0, ``passage_fragments``, the four default strategies' merges and the

@@ -1,6 +1,6 @@
 """Time recompute (ratio 0.15, each policy) against reprefill on SmolLM2; print ratios of one run.
 
-    .venv/bin/python benchmarks/recompute.py [--tokens 1024] [--ratio 0.15] [--repeats 3] [--threads N]
+    .venv/bin/python -m benchmarks.recompute [--tokens 1024] [--ratio 0.15] [--repeats 3] [--threads N]
 
 Two fragments of ``--tokens`` seeded random token ids each, as in benchmarks/merge.py.
 Like that script it runs twice, in child processes, with glibc's malloc defaults and with
@@ -24,9 +24,9 @@ import sys
 import time
 
 import torch
-from merge import run_each_malloc  # benchmarks/merge.py: run as a script, this folder is sys.path[0]
 
 import kvlab
+from benchmarks.timing import run_each_malloc
 from kvlab.cache.recompute.strategy import POLICIES
 
 TARGET = 0.3
@@ -45,7 +45,7 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=["default", "tuned"], choices=["default", "tuned"])
     args = ap.parse_args()
     if args.child is None:
-        run_each_malloc(__file__, sys.argv[1:], modes=args.modes)
+        run_each_malloc(__spec__.name, sys.argv[1:], modes=args.modes)
         return
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -86,7 +86,7 @@ def main() -> None:
 def timed(fn, repeats: int) -> tuple[float, float]:
     """Median wall and median process CPU seconds over ``repeats`` runs (after one warm-up).
 
-    Like benchmarks/merge.py's ``timed``, plus CPU time (all threads): on a shared machine
+    Like :func:`benchmarks.timing.timed`, plus CPU time (all threads): on a shared machine
     other processes stretch the wall clock but not this process's CPU time.
     """
     fn()

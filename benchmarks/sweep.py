@@ -7,7 +7,7 @@ Per-point overhead, each a papermill run of a generated notebook (kernel kvlab):
 Grid: tests/fixtures/sweep_fixture.ipynb on tiny-llama at offsets 4, 8, 16, 32 (4 points),
 run by ``kvlab.sweep`` on a fresh LocalCluster with 1 and with 2 workers (cluster start included).
 
-Usage: python benchmarks/sweep.py [--reps N]
+Usage (from the repository root): python -m benchmarks.sweep [--reps N]
 """
 
 from __future__ import annotations
@@ -15,16 +15,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import nbformat
+import papermill as pm
 
-import nbformat  # noqa: E402
-import papermill as pm  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _notebook(folder: Path, body: str) -> Path:

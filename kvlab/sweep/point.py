@@ -16,6 +16,7 @@ converted model), and needs nothing from the notebook.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -80,6 +81,10 @@ def _kill_kernel(km) -> None:
             pass
 
 
+class _NoNotebook(Exception):
+    """The kernel never started, so papermill wrote nothing: the point keeps no notebook."""
+
+
 def execute(task: dict, folder: Path) -> tuple[str, str | None]:
     """Run the notebook with papermill into ``folder/notebook.ipynb`` (+ ``.html``); return (status, error).
 
@@ -118,31 +123,32 @@ def execute(task: dict, folder: Path) -> tuple[str, str | None]:
         timer.daemon = True
         timer.start()
     status, error = "ok", None
+    kept = False
     # papermill writes the notebook as far as it ran, failures included; keep it either way.
-    written = atomic_path(folder / "notebook.ipynb")
-    tmp = written.__enter__()
-    stderr = open(folder / "kernel-stderr.txt", "w")
-    try:
-        pm.execute_notebook(
-            task["notebook"],
-            str(tmp),
-            parameters=task["parameters"],
-            kernel_name=kernel_name(),
-            cwd=str(Path(task["notebook"]).parent),
-            progress_bar=False,
-            log_output=False,
-            kernel_manager_class=TrackedKernelManager,
-        )
-    except Exception as e:  # noqa: BLE001  every failure of the notebook is the point's result
-        status, error = "failed", _error_text(e)
-    finally:
-        if timer is not None:
-            timer.cancel()
-        stderr.close()
+    with contextlib.suppress(_NoNotebook), atomic_path(folder / "notebook.ipynb") as tmp:
+        with open(folder / "kernel-stderr.txt", "w") as stderr:
+            try:
+                pm.execute_notebook(
+                    task["notebook"],
+                    str(tmp),
+                    parameters=task["parameters"],
+                    kernel_name=kernel_name(),
+                    cwd=str(Path(task["notebook"]).parent),
+                    progress_bar=False,
+                    log_output=False,
+                    kernel_manager_class=TrackedKernelManager,
+                )
+            except Exception as e:  # noqa: BLE001  every failure of the notebook is the point's result
+                status, error = "failed", _error_text(e)
+            finally:
+                if timer is not None:
+                    timer.cancel()
+        if not tmp.stat().st_size:
+            raise _NoNotebook  # the kernel never started: nothing to keep
+        kept = True
     if timed_out.is_set():
         status, error = "failed", f"timed out after {task['timeout']:g} s (kernel killed)"
-    if tmp.stat().st_size:
-        written.__exit__(None, None, None)
+    if kept:
         try:
             from nbconvert import HTMLExporter
 
@@ -150,8 +156,6 @@ def execute(task: dict, folder: Path) -> tuple[str, str | None]:
             atomic_write_text(folder / "notebook.html", body)
         except Exception as e:  # noqa: BLE001  a report that cannot render still has its notebook
             error = (error + "; " if error else "") + f"HTML export failed: {_error_text(e)}"
-    else:  # the kernel never started: nothing to keep
-        written.__exit__(RuntimeError, RuntimeError("no notebook"), None)
     return status, error
 
 
@@ -171,6 +175,44 @@ def _worker_address() -> str:
         return get_worker().address
     except (ImportError, ValueError):  # called outside a Dask worker
         return f"{os.uname().nodename} pid {os.getpid()}"
+
+
+def point_record(
+    task: dict,
+    status: str,
+    error: str | None,
+    *,
+    records: list[dict] | None = None,
+    model_weights_sha256: str | None = None,
+    model_digest_error: str | None = "not computed: the point did not finish",
+    started: str | None = None,
+    wall_s: float | None = None,
+    worker: str | None = None,
+) -> dict:
+    """A point's record: what ``task`` (as built by the sweep) asked for, and how it went.
+
+    The worker fills in everything after its run; the sweep's client, for a point whose worker
+    died, gives only the status and error (no records, digest, start, wall time or worker).
+    """
+    return {
+        "format": RECORD_FORMAT,
+        "point": task["point"],
+        "run_id": task["run_id"],
+        "parameters": task["parameters"],
+        "repeat": task["repeat"],
+        "code": task["code"],
+        "notebook": task["notebook"],
+        "records": [] if records is None else records,
+        "model_name": task["parameters"].get("model_name", task.get("default_model")),
+        "model_weights_sha256": model_weights_sha256,
+        "model_digest_error": model_digest_error,
+        "versions": versions(),
+        "started": started,
+        "wall_s": wall_s,
+        "status": status,
+        "error": error,
+        "worker": worker,
+    }
 
 
 def run_point(task: dict) -> dict:
@@ -203,24 +245,16 @@ def run_point(task: dict) -> dict:
     if status == "ok" and not records:
         status, error = "failed", "the notebook ran but recorded nothing (no kvlab.record output)"
     digest, digest_error = model_digest(task["parameters"].get("model_name", task.get("default_model")))
-    rec = {
-        "format": RECORD_FORMAT,
-        "point": task["point"],
-        "run_id": task["run_id"],
-        "parameters": task["parameters"],
-        "repeat": task["repeat"],
-        "code": task["code"],
-        "notebook": task["notebook"],
-        "records": records,
-        "model_name": task["parameters"].get("model_name", task.get("default_model")),
-        "model_weights_sha256": digest,
-        "model_digest_error": digest_error,
-        "versions": versions(),
-        "started": started,
-        "wall_s": round(wall, 3),
-        "status": status,
-        "error": error,
-        "worker": _worker_address(),
-    }
+    rec = point_record(
+        task,
+        status,
+        error,
+        records=records,
+        model_weights_sha256=digest,
+        model_digest_error=digest_error,
+        started=started,
+        wall_s=round(wall, 3),
+        worker=_worker_address(),
+    )
     write_json(folder / "record.json", rec)
     return rec

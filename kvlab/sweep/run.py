@@ -20,8 +20,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvlab.sweep.point import RECORD_FORMAT, read_json, run_point, write_json
-from kvlab.sweep.study import Study
+from kvlab.sweep.point import RECORD_FORMAT, point_record, read_json, run_point, write_json
+from kvlab.sweep.study import Study, load_study
 
 #: Memory limit per local worker. The worker itself stays small (it loads each model once
 #: for its digest, 0.6 GB for SmolLM2 in fp32); the notebook kernel it starts is a child
@@ -177,30 +177,6 @@ def _client(scheduler: str | None, workers: int | None, n_points: int):
             yield client
 
 
-def _lost_record(task: dict, error: str) -> dict:
-    from kvlab.lab.provenance import versions
-
-    return {
-        "format": RECORD_FORMAT,
-        "point": task["point"],
-        "run_id": task["run_id"],
-        "parameters": task["parameters"],
-        "repeat": task["repeat"],
-        "code": task["code"],
-        "notebook": task["notebook"],
-        "records": [],
-        "model_name": task["parameters"].get("model_name", task.get("default_model")),
-        "model_weights_sha256": None,
-        "model_digest_error": "not computed: the point did not finish",
-        "versions": versions(),
-        "started": None,
-        "wall_s": None,
-        "status": "failed",
-        "error": error,
-        "worker": None,
-    }
-
-
 def _quiet_dask_logs() -> None:
     for name in (
         "distributed",
@@ -261,7 +237,7 @@ def run_study(
                     except Exception as e:  # noqa: BLE001  the point is failed, the others go on
                         lost = isinstance(e, (KilledWorker, CommClosedError, OSError))
                         why = "worker lost" if lost else "the point's runner raised"
-                        rec = _lost_record(task, f"{why}: {type(e).__name__}: {e}")
+                        rec = point_record(task, "failed", f"{why}: {type(e).__name__}: {e}")
                         write_json(Path(task["folder"]) / "record.json", rec)
                     # Let the scheduler forget the result: a worker that dies later must not
                     # make Dask recompute a point that is already on disk.
@@ -280,3 +256,14 @@ def run_study(
     result.records.sort(key=lambda r: order.get(r["point"], 1 << 30))
     write_summary(study, out, result.records)
     return result
+
+
+def sweep(path, *, output=None, timeout=None, scheduler=None, workers=None, force=False, progress=None) -> SweepResult:
+    """Check and run the study file at ``path``: :func:`kvlab.sweep.study.load_study`, then :func:`run_study`."""
+    return run_study(
+        load_study(path, output=output, timeout=timeout),
+        scheduler=scheduler,
+        workers=workers,
+        force=force,
+        progress=progress,
+    )

@@ -1,11 +1,10 @@
-"""The reader's contract under benchmarks/fuzz.py: a short fixed-seed pass, the corpus of every escape it found,
-and one test per fix."""
+"""The reader's contract under the fuzzer (benchmarks.fuzz): a short fixed-seed pass, the corpus of every escape
+it found, and one test per fix."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib.util
 import json
 import subprocess
 import sys
@@ -19,28 +18,26 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 import kvlab
+from benchmarks.fuzz.build import build
+from benchmarks.fuzz.contract import alarm, check, run_inspect
+from benchmarks.fuzz.encoding import encode
+from benchmarks.fuzz.run import fuzz, models_loaded_once
+from benchmarks.fuzz.seeds import tiny_seeds
 from kvlab.errors import CacheFileError
 from kvlab.files import format as cacheformat
 from kvlab.files.io import load_cache, read_header, save_cache
 
-REPO = Path(__file__).resolve().parents[2]
 CORPUS = Path(__file__).with_name("fuzz_corpus")
-_spec = importlib.util.spec_from_file_location("kvlab_benchmarks_fuzz", REPO / "benchmarks" / "fuzz.py")
-fuzz = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = fuzz  # dataclasses look their module up while the class is made
-_spec.loader.exec_module(fuzz)
 
 
 @pytest.fixture(scope="module")
 def seeds(tmp_path_factory):
     torch.manual_seed(0)
-    return fuzz.tiny_seeds(tmp_path_factory.mktemp("seeds"))
+    return tiny_seeds(tmp_path_factory.mktemp("seeds"))
 
 
 def test_a_fixed_seed_pass_finds_no_escape(seeds, tmp_path):
-    report = fuzz.fuzz(
-        seeds, work=tmp_path / "work", out=tmp_path / "out", inputs=400, seed=20261201, log=lambda s: None
-    )
+    report = fuzz(seeds, work=tmp_path / "work", out=tmp_path / "out", inputs=400, seed=20261201, log=lambda s: None)
     assert report.inputs == 400 and report.harness == {}
     listed = "\n".join(f"{n} x {sig}: {e.detail[:200]}" for sig, (n, e, _) in report.escapes.items())
     assert report.escapes == {}, listed
@@ -55,13 +52,13 @@ def test_every_escape_found_stays_fixed(entry, seeds, tmp_path):
     by_name = {s.name: s for s in seeds}
     stored = entry.with_suffix(".kvcache")
     path = tmp_path / "input.kvcache"
-    for data in ([stored.read_bytes()] if stored.exists() else []) + [fuzz.build(record["recipe"], by_name)]:
+    for data in ([stored.read_bytes()] if stored.exists() else []) + [build(record["recipe"], by_name)]:
         path.write_bytes(data)
         model = by_name[record["recipe"]["seed"]].model
-        with fuzz.models_loaded_once(seeds), fuzz.alarm(), warnings.catch_warnings():
+        with models_loaded_once(seeds), alarm(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            fuzz.check(path, model)  # the first read of a file type allocates for good: not counted
-            assert fuzz.check(path, model, inspect_model=model.name, folder=True) == []
+            check(path, model)  # the first read of a file type allocates for good: not counted
+            assert check(path, model, inspect_model=model.name, folder=True) == []
             if "expect" in record:
                 with pytest.raises(CacheFileError, match=record["expect"]):
                     load_cache(path, model, strict=False, allow_unverified=True)
@@ -124,8 +121,8 @@ def test_inspect_prints_header_strings_a_terminal_cannot_take_escaped(field, see
         node = node[k]
     node[field[-1]] = "a\ud800b\x1b[2J"
     path = tmp_path / "odd.kvcache"
-    path.write_bytes(fuzz.encode(seed.outer, header, seed.body, resign=True))
-    code, out, err = fuzz._inspect([str(path)])
+    path.write_bytes(encode(seed.outer, header, seed.body, resign=True))
+    code, out, err = run_inspect([str(path)])
     assert (code, err) == (0, "") and r"'a\ud800b\x1b[2J'" in out
 
 
