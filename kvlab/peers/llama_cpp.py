@@ -388,6 +388,17 @@ class LlamaEngine:
         self.seq_rm(seq)
         self.decode(ids, seq, 0)
 
+    def _check_fragments(self, fragments: list) -> None:
+        """:class:`PeerError` for a merge this engine cannot hold: none, or more fragments than sequences."""
+        self._live()
+        if not fragments:
+            raise PeerError("nothing to merge: the list of fragments is empty")
+        if len(fragments) > self.n_seq_max:
+            raise PeerError(
+                f"{len(fragments)} fragments need {len(fragments)} sequences; "
+                f"this engine was made with n_seq_max={self.n_seq_max}"
+            )
+
     def shift_merge(self, fragments: list) -> int:
         """Merge fragments the way llama.cpp's server reuses cached chunks (``--cache-reuse``).
 
@@ -406,14 +417,7 @@ class LlamaEngine:
         int
             Total tokens now in sequence 0.
         """
-        self._live()
-        if not fragments:
-            raise PeerError("nothing to merge: the list of fragments is empty")
-        if len(fragments) > self.n_seq_max:
-            raise PeerError(
-                f"{len(fragments)} fragments need {len(fragments)} sequences; "
-                f"this engine was made with n_seq_max={self.n_seq_max}"
-            )
+        self._check_fragments(fragments)
         self.check_can_shift()
         self.clear()
         for i, ids in enumerate(fragments):
@@ -434,14 +438,7 @@ class LlamaEngine:
         keys are computed at the right phase instead of being rotated there by a K-shift. The
         two differ only by the rounding of the rotation of f16 keys.
         """
-        self._live()
-        if not fragments:
-            raise PeerError("nothing to merge: the list of fragments is empty")
-        if len(fragments) > self.n_seq_max:
-            raise PeerError(
-                f"{len(fragments)} fragments need {len(fragments)} sequences; "
-                f"this engine was made with n_seq_max={self.n_seq_max}"
-            )
+        self._check_fragments(fragments)
         self.clear()
         offset = 0
         for i, ids in enumerate(fragments):
