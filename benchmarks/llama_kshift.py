@@ -30,7 +30,7 @@ import torch
 
 import kvlab
 from benchmarks.timing import run_each_malloc, timed
-from kvlab import peers
+from kvlab.peers.mapping import engine_for
 
 
 def main() -> None:
@@ -55,7 +55,7 @@ def main() -> None:
     f16 = kvlab.clone_cache(frags[1].cache, model.config, torch.float16)
     t_shift16 = timed(lambda: kvlab.shift_(f16, n, model), args.repeats)
 
-    with peers.engine_for(model, n_ctx=2 * n + 64, n_seq_max=2) as eng:
+    with engine_for(model, n_ctx=2 * n + 64, n_seq_max=2) as eng:
         for i, t in enumerate(ids):
             eng.decode(t, i, 0)
         split = eng.state_bytes()

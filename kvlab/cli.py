@@ -286,7 +286,7 @@ def _inspect_folder(folder, model_name: str | None) -> int:
 
 def _peers(args) -> int:
     from kvlab.models.sources import load_model
-    from kvlab.peers.compare import peer_table
+    from kvlab.peers.summary import peer_table
 
     if args.prepare is not None:
         from kvlab.peers.prepare import prepare
@@ -300,7 +300,7 @@ def _peers(args) -> int:
     if args.quantised:
         # Opt-in: 2 x 512 tokens with f16, q8_0 and q4_0 K caches takes about 2 minutes on
         # SmolLM2 on 2 cores (3 prefills of 1024 tokens per type), more than the tables above.
-        from kvlab.peers.compare import format_quantised, quantised_shift_table
+        from kvlab.peers.kshift import format_quantised, quantised_shift_table
 
         print(f"\nK-shift on a quantised K cache (V f16): next-token KL (nats), two fragments of {args.lengths} tokens")
         print(format_quantised(quantised_shift_table(model, lengths=args.lengths)))

@@ -22,10 +22,11 @@ import time
 from pathlib import Path
 
 import kvlab
-from kvlab import peers
 from kvlab.atomic import atomic_write_text
 from kvlab.errors import PeerError
 from kvlab.findings import longctx
+from kvlab.peers.conversion import CONVERSION_PROBES, conversion_fidelity
+from kvlab.peers.merges import format_rows, merge_side_by_side
 
 
 def main():
@@ -40,7 +41,7 @@ def main():
     model = kvlab.load_model(args.model)
     doc = {"model": model.name, "command": " ".join(["studies/llama_cpp_swa.py"] + sys.argv[1:])}
 
-    conv = peers.conversion_fidelity(model, peers.CONVERSION_PROBES[: args.conversion_probes])
+    conv = conversion_fidelity(model, CONVERSION_PROBES[: args.conversion_probes])
     doc["conversion"] = {
         "n": conv.n,
         "kl_mean": conv.kl_mean,
@@ -73,12 +74,12 @@ def main():
         label = f"swa_full={swa_full}"
         t0 = time.perf_counter()
         try:
-            rows = peers.merge_side_by_side(model, texts, probes, kvlab_rows=swa_full, swa_full=swa_full)
+            rows = merge_side_by_side(model, texts, probes, kvlab_rows=swa_full, swa_full=swa_full)
             doc["merge"]["layouts"][label] = {
                 "rows": [r.row() | {"kls": r.kls} for r in rows],
                 "wall_s": time.perf_counter() - t0,
             }
-            print(f"\n{label}\n" + peers.format_rows(rows), flush=True)
+            print(f"\n{label}\n" + format_rows(rows), flush=True)
         except PeerError as e:
             doc["merge"]["layouts"][label] = {"refused": str(e)}
             print(f"\n{label}: llama.cpp refused: {e}", flush=True)

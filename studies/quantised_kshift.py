@@ -8,7 +8,7 @@ dequantises the keys, rotates them and quantises them again. For f16, q8_0 and q
 the K-shift's own error (shift-merge against the second fragment decoded at its landing
 positions), the shift-merge against llama.cpp's joined prefill, and the K type's own cost
 (its joined prefill against the f16 one), all as next-token KL on question probes
-(:func:`kvlab.peers.quantised_shift_table`). Layouts llama.cpp refuses are recorded with its
+(:func:`kvlab.quantised_shift_table`). Layouts llama.cpp refuses are recorded with its
 reason. Writes ``results/quantised_kshift.json`` after every model and length, then prints
 the plain-text and markdown tables.
 """
@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 import kvlab
-from kvlab import peers
 from kvlab.atomic import atomic_write_text
+from kvlab.peers.kshift import format_quantised, quantised_shift_table
 
 COMPARISONS = (
     ("k_shift", "K-shift: shift vs phase"),
@@ -71,13 +71,13 @@ def main():
         model = kvlab.load_model(name)
         for n_tokens in args.lengths:
             t0 = time.perf_counter()
-            cells = peers.quantised_shift_table(model, lengths=(n_tokens,), n_probes=args.probes)
+            cells = quantised_shift_table(model, lengths=(n_tokens,), n_probes=args.probes)
             doc["rows"] += [c.row() for c in cells]
             doc["wall_s"][f"{name} 2x{n_tokens}"] = time.perf_counter() - t0
             doc["wall_s_total"] = time.perf_counter() - started
             atomic_write_text(out / "quantised_kshift.json", json.dumps(doc, indent=1, default=float))
             print(f"\n{name}, 2 x {n_tokens} tokens ({time.perf_counter() - t0:.0f} s)", flush=True)
-            print(peers.format_quantised(cells), flush=True)
+            print(format_quantised(cells), flush=True)
     print("\n" + markdown(doc["rows"]))
     print(f"\ndone in {doc['wall_s_total']:.0f} s", flush=True)
 

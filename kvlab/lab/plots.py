@@ -307,7 +307,7 @@ def engine_merge_kl(rows: list, model_name: str) -> Figure:
     Parameters
     ----------
     rows : list
-        :class:`kvlab.peers.compare.MergeRow` s (``engine``, ``method``, ``reference``,
+        :class:`kvlab.peers.merges.MergeRow` s (``engine``, ``method``, ``reference``,
         ``kl_mean``, ``kl_ci``); the rows against the joined prefill and the engines' own
         joined-prefill comparison (engine ``"both"``) are drawn.
     """

@@ -1,77 +1,9 @@
 """kvlab beside other engines on the same GGUF files (the ``peers`` extra: llama-cpp-python).
 
-Importing this package never imports llama-cpp-python; the first call that needs llama.cpp
-does, and without the extra it raises :class:`kvlab.PeerError` saying how to install it.
+One module per comparison: :mod:`~kvlab.peers.mapping` (which file, an engine on it),
+:mod:`~kvlab.peers.conversion`, :mod:`~kvlab.peers.merges`, :mod:`~kvlab.peers.kshift`,
+:mod:`~kvlab.peers.state`, :mod:`~kvlab.peers.summary`, and :mod:`~kvlab.peers.audit` (a merge
+that runs inside llama.cpp, audited); :mod:`~kvlab.peers.llama_cpp` is the glue. Importing them
+never imports llama-cpp-python; the first call that needs llama.cpp does, and without the extra
+it raises :class:`kvlab.PeerError` saying how to install it.
 """
-
-from kvlab.peers.compare import (
-    CONVERSION_PROBES,
-    CacheLayout,
-    ConversionFidelity,
-    MergeRow,
-    QuantisedShift,
-    StateLoad,
-    check_vocab,
-    conversion_fidelity,
-    engine_for,
-    engine_reads,
-    format_quantised,
-    format_rows,
-    gguf_path,
-    kvlab_log_probs,
-    kvlab_refusals,
-    long_fragments,
-    merge_side_by_side,
-    model_gguf,
-    peer_table,
-    quantised_shift_table,
-    refusal_layouts,
-    state_file_study,
-    temp_workdir,
-)
-from kvlab.peers.llama_cpp import (
-    INSTALL_HINT,
-    KV_TYPES,
-    QUANTISED_KV_TYPES,
-    EngineInfo,
-    LlamaEngine,
-    available,
-    check_gguf_file,
-    lib,
-    requantize,
-)
-
-__all__ = [
-    "CONVERSION_PROBES",
-    "CacheLayout",
-    "ConversionFidelity",
-    "MergeRow",
-    "QuantisedShift",
-    "StateLoad",
-    "check_vocab",
-    "conversion_fidelity",
-    "engine_for",
-    "engine_reads",
-    "format_quantised",
-    "format_rows",
-    "gguf_path",
-    "kvlab_log_probs",
-    "kvlab_refusals",
-    "long_fragments",
-    "merge_side_by_side",
-    "model_gguf",
-    "peer_table",
-    "quantised_shift_table",
-    "refusal_layouts",
-    "state_file_study",
-    "temp_workdir",
-    "INSTALL_HINT",
-    "KV_TYPES",
-    "QUANTISED_KV_TYPES",
-    "EngineInfo",
-    "LlamaEngine",
-    "available",
-    "check_gguf_file",
-    "lib",
-    "requantize",
-]

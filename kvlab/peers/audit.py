@@ -40,8 +40,9 @@ from kvlab.measure.audit.target import ENGINE, Target, TargetRaised, resolve
 from kvlab.measure.certify import FAIL, FLOOR_BOUND, INFO, PASS, Certificate, Line, TokenSource, exact_twin
 from kvlab.measure.metrics import kl_divergence
 from kvlab.models.loaded import LoadedModel
-from kvlab.peers.compare import CacheLayout, engine_for, model_gguf, refusal_layouts
+from kvlab.peers.kshift import CacheLayout, refusal_layouts
 from kvlab.peers.llama_cpp import LlamaEngine, requantize
+from kvlab.peers.mapping import engine_for, model_gguf
 
 #: Fragment sizes of the phase line: three short ones, and two whose second lands far out.
 FRAGMENT_SETS = ((40, 56, 24), (448, 64))
@@ -253,7 +254,7 @@ def audit_engine(
     Parameters
     ----------
     model : LoadedModel
-        A model with a GGUF file (:func:`kvlab.peers.compare.model_gguf`).
+        A model with a GGUF file (:func:`kvlab.peers.mapping.model_gguf`).
     merge : callable or str
         ``fn(engine, fragments)`` or ``MODULE:NAME``; default llama.cpp's own cache reuse.
     fragment_sets : tuple of tuple of int

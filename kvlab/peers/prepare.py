@@ -40,8 +40,8 @@ def prepare(names: list[str] | None = None) -> dict[str, dict[str, Path]]:
     from kvlab.models.gguf import real_model_names
     from kvlab.models.loaded import quiet_transformers
     from kvlab.models.sources import convert_gguf_file
-    from kvlab.peers.compare import gguf_path
     from kvlab.peers.llama_cpp import requantize
+    from kvlab.peers.mapping import gguf_path
 
     done = {}
     for name in real_model_names(names):

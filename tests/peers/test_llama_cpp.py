@@ -16,9 +16,14 @@ import torch
 
 import kvlab
 from conftest import GEMMA_MISSING, GEMMA_REASON, IN_CI, missing, tiny
-from kvlab import peers
 from kvlab.measure.metrics import kl_divergence
 from kvlab.peers import llama_cpp as glue
+from kvlab.peers.conversion import CONVERSION_PROBES, conversion_fidelity
+from kvlab.peers.kshift import quantised_shift_table
+from kvlab.peers.llama_cpp import LlamaEngine, requantize
+from kvlab.peers.mapping import check_vocab, engine_for, gguf_path
+from kvlab.peers.merges import merge_side_by_side
+from kvlab.peers.state import state_file_study
 
 # In CI (`make test` installs the extra) a missing llama-cpp-python fails these tests instead.
 needs_llama = pytest.mark.skipif(
@@ -34,7 +39,7 @@ PROBES = [" The ledger is now kept in the city of", " Maren was the keeper's"]
 
 @pytest.fixture(scope="module")
 def engine(smollm2):
-    with peers.engine_for(smollm2, n_ctx=1024, n_seq_max=2) as eng:
+    with engine_for(smollm2, n_ctx=1024, n_seq_max=2) as eng:
         yield eng
 
 
@@ -47,13 +52,13 @@ def ids_of(model, text, bos=False):
 
 def test_a_wrong_gguf_path_is_a_clear_error(tmp_path):
     with pytest.raises(kvlab.PeerError, match="no GGUF file at .*missing.gguf: the path does not exist"):
-        peers.LlamaEngine(tmp_path / "missing.gguf")
+        LlamaEngine(tmp_path / "missing.gguf")
     with pytest.raises(kvlab.PeerError, match="is not a file"):
-        peers.LlamaEngine(tmp_path)
+        LlamaEngine(tmp_path)
     fake = tmp_path / "fake.gguf"
     fake.write_bytes(b"PK\x03\x04 a zip, not a model")
     with pytest.raises(kvlab.PeerError, match=r"fake.gguf is not a GGUF file: it starts with b'PK\\x03\\x04'"):
-        peers.LlamaEngine(fake)
+        LlamaEngine(fake)
     with pytest.raises(kvlab.ModelError, match="no GGUF file at"):
         kvlab.load_gguf_file(tmp_path / "missing.gguf")
 
@@ -63,9 +68,9 @@ def test_a_missing_extra_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # what an absent package looks like to import
     with pytest.raises(kvlab.PeerError, match=r"pip install -e '\.\[peers\]'.*make peers"):
         glue.lib()
-    path = peers.gguf_path("smollm2-135m")
+    path = gguf_path("smollm2-135m")
     with pytest.raises(kvlab.PeerError, match="need the `peers` extra"):
-        peers.LlamaEngine(path)
+        LlamaEngine(path)
 
 
 def test_kvlab_never_imports_llama_cpp_until_asked():
@@ -75,17 +80,17 @@ def test_kvlab_never_imports_llama_cpp_until_asked():
 
 def test_a_model_kvlab_cannot_map_is_a_clear_error():
     with pytest.raises(kvlab.PeerError, match="cannot map 'tiny-gemma3' to llama.cpp: tiny models .* no GGUF file"):
-        peers.gguf_path("tiny-gemma3")
+        gguf_path("tiny-gemma3")
     with pytest.raises(kvlab.PeerError, match="cannot map 'tiny-llama'"):
-        peers.engine_for(tiny("tiny-llama"))
+        engine_for(tiny("tiny-llama"))
     with pytest.raises(kvlab.PeerError, match="cannot map 'gpt-7' to llama.cpp: unknown model"):
-        peers.gguf_path("gpt-7")
+        gguf_path("gpt-7")
 
 
 @needs_llama
 def test_vocabularies_must_agree(engine):
     with pytest.raises(kvlab.PeerError, match="vocabularies differ: kvlab's tiny-llama has .* llama.cpp's SmolLM2"):
-        peers.check_vocab(tiny("tiny-llama"), engine)
+        check_vocab(tiny("tiny-llama"), engine)
     with pytest.raises(kvlab.PeerError, match=f"token id {engine.n_vocab} is outside llama.cpp's vocabulary"):
         engine.decode([1, engine.n_vocab])
 
@@ -130,7 +135,7 @@ def test_shift_merge_has_the_phase_right_and_the_context_wrong(engine, smollm2):
     assert kl_divergence(joined, shifted) > 20 * kl_divergence(phase, shifted)
     assert kl_divergence(joined, phase) > 1e-2
     # With the dequantised weights (an F32 copy) only the f16 rounding is left (measured 1e-6).
-    with peers.LlamaEngine(peers.requantize(engine.path, "F32"), n_ctx=1024, n_seq_max=2) as f32:
+    with LlamaEngine(requantize(engine.path, "F32"), n_ctx=1024, n_seq_max=2) as f32:
         f32.shift_merge(ids)
         shifted32 = f32.read(probe)
         f32.phase_merge(ids)
@@ -139,7 +144,7 @@ def test_shift_merge_has_the_phase_right_and_the_context_wrong(engine, smollm2):
 
 @needs_llama
 def test_merge_side_by_side_rows(smollm2):
-    rows = {(r.engine, r.method, r.reference): r for r in peers.merge_side_by_side(smollm2, TEXTS, PROBES)}
+    rows = {(r.engine, r.method, r.reference): r for r in merge_side_by_side(smollm2, TEXTS, PROBES)}
     shift = rows[("llama.cpp", "shift", "joined")]
     rerotate = rows[("kvlab", "rerotate", "joined")]
     assert len(shift.kls) == len(PROBES) and all(k >= 0 for k in shift.kls)
@@ -153,7 +158,7 @@ def test_merge_side_by_side_rows(smollm2):
 
 @needs_llama
 def test_conversion_fidelity_is_small_but_finite(smollm2):
-    conv = peers.conversion_fidelity(smollm2, peers.CONVERSION_PROBES[:4])
+    conv = conversion_fidelity(smollm2, CONVERSION_PROBES[:4])
     assert conv.n == 4 and conv.same_ids == 1.0
     # Not zero: llama.cpp multiplies 4-bit weights with 8-bit-rounded activations and keeps an
     # f16 cache; kvlab runs the dequantised weights in fp32. Measured mean 0.004-0.008 nats.
@@ -187,13 +192,13 @@ def test_state_files_round_trip_exactly(engine, smollm2, tmp_path):
 def test_llama_cpp_accepts_a_requantisation_and_refuses_another_architecture(smollm2, tmp_path):
     if GEMMA_MISSING:
         missing(GEMMA_REASON)
-    src = peers.gguf_path("smollm2-135m")
+    src = gguf_path("smollm2-135m")
     # Into this test's folder: the shared cache already holds the copy `make prepare-peers` made.
-    q40 = peers.requantize(src, "Q4_0", out_dir=tmp_path)
-    assert q40 == peers.requantize(src, "Q4_0", out_dir=tmp_path)  # kept, not redone
-    assert q40.read_bytes() == peers.requantize(src, "Q4_0").read_bytes()  # the prepared copy is the same file
-    rows = peers.state_file_study(
-        smollm2, TEXTS[0], PROBES, {"same": src, "q4_0": q40, "gemma3": peers.gguf_path("gemma3-270m")}, tmp_path
+    q40 = requantize(src, "Q4_0", out_dir=tmp_path)
+    assert q40 == requantize(src, "Q4_0", out_dir=tmp_path)  # kept, not redone
+    assert q40.read_bytes() == requantize(src, "Q4_0").read_bytes()  # the prepared copy is the same file
+    rows = state_file_study(
+        smollm2, TEXTS[0], PROBES, {"same": src, "q4_0": q40, "gemma3": gguf_path("gemma3-270m")}, tmp_path
     )
     by = {(r.reader, r.file): r for r in rows}
     assert by[("same", "state")].accepted and by[("same", "state")].kls == [0.0] * len(PROBES)
@@ -208,11 +213,11 @@ def test_kvlab_peers_takes_a_gguf_path_like_check_does(monkeypatch, capsys):
     # then runs that very file. peer_table itself is exercised above; here only the routing.
     from kvlab.cli import main
     from kvlab.models.gguf import GGUF_MODELS
-    from kvlab.peers import compare
+    from kvlab.peers import mapping, summary
 
     spec = GGUF_MODELS["smollm2-135m"]
     path = spec.locate(spec)
-    monkeypatch.setattr(compare, "peer_table", lambda m: f"{m.name} runs {compare.model_gguf(m)}")
+    monkeypatch.setattr(summary, "peer_table", lambda m: f"{m.name} runs {mapping.model_gguf(m)}")
     assert main(["peers", "--model", str(path)]) == 0
     assert capsys.readouterr().out.strip() == f"smollm2-135m runs {path}"
 
@@ -235,18 +240,18 @@ def test_kv_types_are_llama_cpps_ggml_types():
 @needs_llama
 def test_kv_types_are_accepted_or_refused_by_name(engine):
     with pytest.raises(kvlab.PeerError, match=r"type_k must be one of \['f16', 'f32', 'q4_0', 'q8_0'\], got 'q5_7'"):
-        peers.LlamaEngine(engine.path, type_k="q5_7")
+        LlamaEngine(engine.path, type_k="q5_7")
     with pytest.raises(kvlab.PeerError, match="kv_type must be one of .* got 'int8'"):
-        peers.LlamaEngine(engine.path, kv_type="int8")
+        LlamaEngine(engine.path, kv_type="int8")
     for t in glue.QUANTISED_KV_TYPES:
-        with peers.LlamaEngine(engine.path, n_ctx=256, n_seq_max=1, type_k=t) as eng:
+        with LlamaEngine(engine.path, n_ctx=256, n_seq_max=1, type_k=t) as eng:
             assert (eng.type_k, eng.type_v) == (t, "f16")
         # llama.cpp's own refusal, with the types it was asked for.
         with pytest.raises(
             kvlab.PeerError,
             match=rf"K cache {t}, V cache {t}, flash_attn=False\): .*quantized V cache requires flash_attn",
         ):
-            peers.LlamaEngine(engine.path, n_ctx=256, kv_type=t, flash_attn=False)
+            LlamaEngine(engine.path, n_ctx=256, kv_type=t, flash_attn=False)
 
 
 @needs_llama
@@ -255,17 +260,17 @@ def test_a_shift_llama_cpp_cannot_do_names_the_k_cache_type():
         missing(GEMMA_REASON)
     # The window-only layout refuses a shift only where it is smaller than the whole cache: at
     # n_ctx=256 the sliding layers' cells (window x sequences + a batch) hold everything anyway.
-    path = peers.gguf_path("gemma3-270m")
-    with peers.LlamaEngine(path, n_ctx=256, n_seq_max=2, type_k="q4_0", swa_full=False) as eng:
+    path = gguf_path("gemma3-270m")
+    with LlamaEngine(path, n_ctx=256, n_seq_max=2, type_k="q4_0", swa_full=False) as eng:
         assert eng.can_shift()
-    with peers.LlamaEngine(path, n_ctx=4096, n_seq_max=2, type_k="q4_0", swa_full=False) as eng:
+    with LlamaEngine(path, n_ctx=4096, n_seq_max=2, type_k="q4_0", swa_full=False) as eng:
         with pytest.raises(kvlab.PeerError, match=r"cannot shift .* \(K cache q4_0, swa_full=False: .*can_shift"):
             eng.shift_merge([[2, 100, 101], [102, 103]])
 
 
 @needs_llama
 def test_a_quantised_k_shift_costs_more_than_an_f16_one(smollm2):
-    cells = peers.quantised_shift_table(smollm2, lengths=(128,), n_probes=4)
+    cells = quantised_shift_table(smollm2, lengths=(128,), n_probes=4)
     by = {c.layout.label: c for c in cells}
     f16, q8, q4 = by["K f16, V f16"], by["K q8_0, V f16"], by["K q4_0, V f16"]
     assert all(c.n == 4 and c.tokens == 128 and not c.refused for c in (f16, q8, q4))
@@ -286,11 +291,11 @@ def test_a_quantised_k_shift_costs_more_than_an_f16_one(smollm2):
 def test_kvlab_peers_quantised_adds_the_quantised_table(monkeypatch, capsys):
     # Routing only (the table itself is measured above): --quantised passes --lengths through.
     from kvlab.cli import main
-    from kvlab.peers import compare
+    from kvlab.peers import kshift, summary
 
-    monkeypatch.setattr(compare, "peer_table", lambda m: "side by side")
-    monkeypatch.setattr(compare, "quantised_shift_table", lambda m, lengths: [m.name, *lengths])
-    monkeypatch.setattr(compare, "format_quantised", lambda cells: f"cells {cells}")
+    monkeypatch.setattr(summary, "peer_table", lambda m: "side by side")
+    monkeypatch.setattr(kshift, "quantised_shift_table", lambda m, lengths: [m.name, *lengths])
+    monkeypatch.setattr(kshift, "format_quantised", lambda cells: f"cells {cells}")
     assert main(["peers", "--quantised", "--lengths", "64", "128"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("side by side\n") and out.rstrip().endswith("cells ['smollm2-135m', 64, 128]")
