@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import datetime
+import functools
 import io
 import json
 import os
@@ -22,6 +23,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import mistune
+from markupsafe import Markup
 
 from kvlab.atomic import atomic_path, atomic_write_text
 from kvlab.errors import ReportError
@@ -47,6 +51,17 @@ class NotebookRun:
     @property
     def ok(self) -> bool:
         return self.error is None
+
+    @property
+    def question_html(self) -> Markup:
+        """The question's markdown as inline HTML (code spans, emphasis, links); any raw HTML escaped."""
+        return Markup(_inline_markdown()(self.question).strip().removeprefix("<p>").removesuffix("</p>"))
+
+
+@functools.cache
+def _inline_markdown():
+    # nbconvert renders the notebooks' own markdown with mistune; the index uses the same parser.
+    return mistune.create_markdown(escape=True)
 
 
 @dataclass
@@ -116,7 +131,11 @@ def finding(nb_path: Path) -> str:
 
 
 def question(nb_path: Path) -> str:
-    """The notebook's question: the ``**Question.**`` paragraph of its first markdown cell, as plain text."""
+    """The notebook's question: the ``**Question.**`` paragraph of its first markdown cell, as markdown.
+
+    The label is dropped and the lines joined; code spans, emphasis and links stay for
+    :attr:`NotebookRun.question_html` to render.
+    """
     import nbformat
 
     cells = [c for c in nbformat.read(nb_path, as_version=4).cells if c.cell_type == "markdown"]
@@ -125,9 +144,6 @@ def question(nb_path: Path) -> str:
     paragraphs = re.split(r"\n\s*\n", cells[0].source)
     text = next((p for p in paragraphs if "Question" in p), paragraphs[0])
     text = re.sub(r"\*\*Question\.?\*\*\s*", "", text)
-    # Plain text for the index: drop emphasis, code ticks and link targets, keep the words.
-    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", text)
-    text = re.sub(r"[*_`]+", "", text)
     return " ".join(text.split())
 
 

@@ -324,7 +324,7 @@ def test_report_index_records_the_run_and_each_notebook(tmp_path):
     assert report.runs[0].question.startswith("When cached fragments are concatenated without re-rotation")
     for r in report.runs:
         assert len(r.question) > 40 and "Question" not in r.question and "**" not in r.question, r.question
-        assert r.question in page and r.finding in page and "tiny-gemma3" in r.finding
+        assert r.question_html in page and r.finding in page and "tiny-gemma3" in r.finding
         thumb = tmp_path / r.thumbnail
         assert f"src='{r.thumbnail}'" in page and thumb.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         from PIL import Image
@@ -609,3 +609,15 @@ def test_notebook_01_names_the_layer_kinds_of_a_nope_model(tmp_path):
     text = out.read_text()
     assert "layer kinds: full_attention at [0, 1, 2]; full_attention (NoPE) at [3]" in text
     assert "NoPE layers [3]: no rotary embedding" in text
+
+
+def test_the_report_index_renders_each_question_s_markdown_and_escapes_html():
+    from kvlab.lab.report import NotebookRun, question
+
+    q = question(NB / "06_llama_cpp.ipynb")
+    html = NotebookRun("06_llama_cpp", 1.0, q, "").question_html
+    # Code spans keep their underscores (the plain-text index showed llamamemoryseqadd).
+    assert "<code>llama_memory_seq_add</code>" in html and "**" not in html and not html.startswith("<p>")
+    odd = NotebookRun("x", 1.0, "Is <script>alert(1)</script> *safe* and [linked](https://example.org)?", "")
+    assert "&lt;script&gt;" in odd.question_html and "<script>" not in odd.question_html
+    assert "<em>safe</em>" in odd.question_html and '<a href="https://example.org">linked</a>' in odd.question_html
