@@ -180,7 +180,7 @@ def cache_of(row: dict) -> tuple:
 def summarize(rows: list[dict], by: tuple[str, ...] = ("n_fragments", "strategy"), *, seed: int = 0) -> list[dict]:
     """Mean and 95% interval of ``kl``, ``span_kl``, ``nll``, ``em`` and ``agree`` per group of rows, over caches.
 
-    Intervals resample caches (:func:`cache_of`), then questions within them; ``em``, ``agree``
+    Intervals resample caches (:func:`cache_of`), each with all its questions; ``em``, ``agree``
     and ``ref_em`` (the joined prefill's exact match: the full-context ceiling) are rates
     (:func:`kvlab.proportion_ci`: never collapsing at 0 or 1). Agreement with the joined
     prefill counts only where that reference is right, so ``agree_right`` is over the
@@ -278,7 +278,7 @@ def table(summary: list[dict], strategies: list[str]) -> str:
             f"{_c(r.get('span_kl')):<26} {_c(r['em'], '.2f'):<18} {right}"
         )
     lines.append(
-        "95% intervals over caches (a cluster bootstrap: caches, then questions within them); exact match "
+        "95% intervals over caches (a cluster bootstrap: caches resampled, each with all its questions); exact match "
         "against the truth; reprefill's exact match is the full-context ceiling"
     )
     return "\n".join(lines)

@@ -5,7 +5,7 @@ read through the chat template and saved by the producer as a cache file. Every 
 (:func:`kvlab.variants`) reads every question of every file twice, behind its own prefill and
 behind the producer's file forced through with ``strict=False``
 (:func:`kvlab.mismatch_kl` with the true answers). A question's scores are one row; the cache
-is the unit that varies, so every interval resamples caches, then questions within them.
+is the unit that varies, so every interval resamples caches, each with all its questions.
 """
 
 from __future__ import annotations
