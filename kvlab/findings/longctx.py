@@ -20,7 +20,7 @@ from kvlab.findings.evalset import EvalSet, generate, normalize
 from kvlab.findings.qa import ask, passage_fragments
 from kvlab.measure.metrics import phase_error
 from kvlab.measure.references import phase_reference
-from kvlab.measure.stats import CI, gap_closed_ci, mean_ci, paired_diff_ci, proportion_ci
+from kvlab.measure.stats import CI, fmt_ci, gap_closed_ci, mean_ci, paired_diff_ci, proportion_ci
 from kvlab.models.loaded import LoadedModel
 
 
@@ -258,8 +258,7 @@ def gap_closed(
     return gap_closed_ci(x, y, clusters=caches, seed=seed)
 
 
-def _c(c, f: str = ".4f") -> str:
-    return "-" if c is None else f"{c.mean:{f}} [{c.lo:{f}}, {c.hi:{f}}]"
+_c = fmt_ci
 
 
 def table(summary: list[dict], strategies: list[str]) -> str:
@@ -315,5 +314,4 @@ def at_scale(doc: dict, path: str) -> list[str]:
     return lines
 
 
-def _d(c: dict, f: str = ".4f") -> str:
-    return f"{c['mean']:{f}} [{c['lo']:{f}}, {c['hi']:{f}}]"
+_d = fmt_ci

@@ -63,10 +63,27 @@ class CI:
     def __format__(self, spec: str) -> str:
         spec = spec or ".3f"
         caches = "" if self.n_clusters is None else f", caches={self.n_clusters}"
-        return f"{self.mean:{spec}} [{self.lo:{spec}}, {self.hi:{spec}}] (n={self.n}{caches})"
+        return f"{fmt_ci(self, spec)} (n={self.n}{caches})"
 
     def __str__(self) -> str:
         return format(self)
+
+
+def fmt_ci(c, spec: str = ".4f") -> str:
+    """``mean [lo, hi]``: kvlab's one way of writing an interval, for tables and conclusions.
+
+    Parameters
+    ----------
+    c : CI, dict or None
+        A :class:`CI` or its result-file form (:meth:`CI.as_dict`: ``mean``, ``lo``, ``hi``); None
+        writes ``-``.
+    spec : str
+        Format spec of the three numbers (``".3f"``, ``"+.3f"``, ``".0%"``).
+    """
+    if c is None:
+        return "-"
+    mean, lo, hi = (c.mean, c.lo, c.hi) if isinstance(c, CI) else (c["mean"], c["lo"], c["hi"])
+    return f"{mean:{spec}} [{lo:{spec}}, {hi:{spec}}]"
 
 
 def _values(x, name: str) -> np.ndarray:
