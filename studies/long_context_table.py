@@ -60,9 +60,15 @@ def table(path: str) -> str:
                 f"| {r['n_fragments']} | {r['kind']} | {r['strategy']} | {nc(r)} | {fmt(r['span_kl'], '.3f')} | "
                 f"{fmt(r['kl'], '.4f')} | {fmt(r['em'], '.2f')} | {fmt(ceil[r['n_fragments'], r['kind']], '.2f')} |"
             )
-    out += ["", "Paired differences, named before the run (same questions, resampled by cache):", ""]
+    out += [
+        "",
+        "Paired differences, named before the run (same questions, resampled by cache; p: two-sided bootstrap, "
+        "Holm-adjusted within its family, named beside it):",
+        "",
+    ]
     for k, c in d["paired_differences"].items():
-        out.append(f"- {k}: {fmt_ci(c, '+.3f')} (n={c['n']}, {c['caches']} caches)")
+        holm = f", Holm p = {c['p_holm']:.3f} in {c['family']}" if "p_holm" in c else ""
+        out.append(f"- {k}: {fmt_ci(c, '+.3f')} (n={c['n']}, {c['caches']} caches{holm})")
     out += ["", "Share of rerotate's answer-span KL that recompute closes (1 - ratio of means, paired):", ""]
     for k, c in d.get("gap_closed", {}).items():
         out.append(f"- {k}: {fmt_ci(c, '.0%')} (n={c['n']}, {c['caches']} caches)")

@@ -20,7 +20,7 @@ from kvlab.findings.evalset import EvalSet, generate, normalize
 from kvlab.findings.qa import ask, passage_fragments
 from kvlab.measure.metrics import phase_error
 from kvlab.measure.references import phase_reference
-from kvlab.measure.stats import CI, fmt_ci, gap_closed_ci, mean_ci, paired_diff_ci, proportion_ci
+from kvlab.measure.stats import CI, fmt_ci, gap_closed_ci, mean_ci, paired_diff_ci, paired_p, proportion_ci
 from kvlab.models.loaded import LoadedModel
 
 
@@ -248,6 +248,14 @@ def paired(rows: list[dict], a: str, b: str, metric: str, *, where: dict | None 
     """CI of ``metric(a) - metric(b)`` over the questions both strategies answered, paired, resampled by cache."""
     x, y, caches = pairs(rows, a, b, metric, where)
     return paired_diff_ci(x, y, clusters=caches, seed=seed)
+
+
+def named_paired(
+    rows: list[dict], a: str, b: str, metric: str, *, where: dict | None = None, seed: int = 0
+) -> tuple[CI, float]:
+    """:func:`paired` and its two-sided bootstrap p (:func:`kvlab.paired_p`, same resamples), for a named family."""
+    x, y, caches = pairs(rows, a, b, metric, where)
+    return paired_diff_ci(x, y, clusters=caches, seed=seed), paired_p(x, y, clusters=caches, seed=seed)
 
 
 def gap_closed(
