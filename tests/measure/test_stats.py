@@ -146,5 +146,7 @@ def test_a_rate_by_cache_never_collapses_even_when_every_cache_agrees():
 def test_one_formatter_for_intervals_and_their_file_form():
     c = mean_ci([1.0, 2.0, 3.0], clusters=[0, 0, 1])
     assert kvlab.fmt_ci(c, ".2f") == kvlab.fmt_ci(c.as_dict(), ".2f") == f"{c.mean:.2f} [{c.lo:.2f}, {c.hi:.2f}]"
-    assert kvlab.fmt_ci(None) == "-" and kvlab.fmt_ci({"mean": 0.5, "lo": 0.25, "hi": 1}, "+.0%") == "+50% [+25%, +100%]"
+    assert (
+        kvlab.fmt_ci(None) == "-" and kvlab.fmt_ci({"mean": 0.5, "lo": 0.25, "hi": 1}, "+.0%") == "+50% [+25%, +100%]"
+    )
     assert format(c, ".2f") == kvlab.fmt_ci(c, ".2f") + " (n=3, caches=2)"
