@@ -49,7 +49,7 @@ from kvlab.measure.certify import Certificate, certify
 from kvlab.measure.fidelity import Fidelity, fidelity, merge_seconds, merge_times
 from kvlab.measure.mismatch import VARIANT_KINDS, MismatchResult, mismatch_kl, variants
 from kvlab.measure.probes import ProbeRead, read_probes
-from kvlab.measure.stats import CI, gap_closed_ci, holm, mean_ci, paired_diff_ci, paired_p, proportion_ci
+from kvlab.measure.stats import CI, fmt_ci, gap_closed_ci, holm, mean_ci, paired_diff_ci, paired_p, proportion_ci
 from kvlab.models.catalog import model_names
 from kvlab.models.layout import layer_ropes
 from kvlab.models.loaded import DEFAULT_MODEL, LoadedModel
@@ -76,7 +76,7 @@ __all__ = [
     # measures
     "Case", "FidelityReference", "Fidelity", "fidelity", "merge_seconds", "merge_times", "ProbeRead", "read_probes",
     "VARIANT_KINDS", "MismatchResult", "mismatch_kl", "variants", "CI", "mean_ci", "paired_diff_ci",
-    "proportion_ci", "paired_p", "holm", "gap_closed_ci", "Certificate", "certify",
+    "proportion_ci", "paired_p", "holm", "gap_closed_ci", "fmt_ci", "Certificate", "certify",
     # findings
     "EvalSet", "Question", "generate", "ask", "passage_fragments", "read_records", "record",
     # lab and sweeps

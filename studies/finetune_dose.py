@@ -39,6 +39,7 @@ import torch
 import kvlab
 from kvlab.findings import readers as study
 from kvlab.measure.mismatch import finetune_snapshots
+from kvlab.measure.stats import fmt_ci
 from kvlab.sweep.point import read_points
 
 STEPS = (0, 1, 2, 4, 8, 16)
@@ -145,7 +146,7 @@ def measure(
 
 
 def _f(c: dict, fmt: str) -> str:
-    return f"{c['mean']:{fmt}} [{c['lo']:{fmt}}, {c['hi']:{fmt}}]"
+    return fmt_ci(c, fmt)
 
 
 def table(doc: dict) -> str:

@@ -38,6 +38,7 @@ from pathlib import Path
 import kvlab
 from kvlab.cache.repro import ExactOnly, RerotateOnly
 from kvlab.findings import longctx
+from kvlab.measure.stats import fmt_ci
 from kvlab.sweep.point import read_points
 
 RER_ONLY = ("rerotate sliding only", "rerotate full only")
@@ -130,8 +131,8 @@ def records(doc: dict) -> list[tuple[str, float, dict]]:
 
 
 def tables(doc: dict) -> str:
-    f = lambda c, p=3: f"{c['mean']:.{p}f} [{c['lo']:.{p}f}, {c['hi']:.{p}f}]"  # noqa: E731
-    g = lambda c: f"{c['mean']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}]"  # noqa: E731
+    f = lambda c, p=3: fmt_ci(c, f".{p}f")  # noqa: E731
+    g = lambda c: fmt_ci(c, "+.3f")  # noqa: E731
     lo, hi = doc["total_tokens"]
     out = [
         f"{doc['model']}, 2 x <={doc['args']['tokens']} tokens (merged totals {lo}-{hi}):",

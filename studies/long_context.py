@@ -28,7 +28,7 @@ from tqdm import tqdm  # noqa: E402
 
 import kvlab  # noqa: E402
 from kvlab.atomic import atomic_path, atomic_write_text  # noqa: E402
-from kvlab.findings import longctx  # noqa: E402
+from kvlab.findings import longctx, strata  # noqa: E402
 
 CI_KEYS = ("kl", "span_kl", "nll", "em", "agree", "ref_em", "agree_right")
 
@@ -44,18 +44,21 @@ def write(out: Path, model, args, rows, timings, profile, started, keep: dict | 
     by_offset = longctx.json_ready(longctx.summarize(rows, ("n_fragments", "strategy", "answer_passage")))
     by_kind = longctx.json_ready(longctx.summarize(rows, ("n_fragments", "strategy", "kind")))
     # The primary comparison, named before the run: naive against rerotate, paired within
-    # caches, per count, pooled and per question kind.
-    diffs, gap = {}, {}
+    # caches, per count, pooled (family "pooled": every count x metric) and per question kind
+    # (family "by kind": every count x kind x metric), each with its Holm-adjusted p.
+    diffs, gap, named = {}, {}, {}
     kinds = sorted({r["kind"] for r in rows})
     for k in sorted(t for t in timings if isinstance(t, int)):
         for m in ("kl", "span_kl", "nll", "agree", "em"):
-            diffs[f"{k} fragments: naive - rerotate {m}"] = longctx.paired(
-                rows, "naive", "rerotate", m, where={"n_fragments": k}
-            ).as_dict()
+            named[f"{k} fragments: naive - rerotate {m}"] = ("pooled", {"n_fragments": k}, m)
             for kind in kinds if m in ("span_kl", "em") else ():
-                diffs[f"{k} fragments, {kind}: naive - rerotate {m}"] = longctx.paired(
-                    rows, "naive", "rerotate", m, where={"n_fragments": k, "kind": kind}
-                ).as_dict()
+                named[f"{k} fragments, {kind}: naive - rerotate {m}"] = ("by kind", {"n_fragments": k, "kind": kind}, m)
+    for family in ("pooled", "by kind"):
+        names = [n for n, (f, _, _) in named.items() if f == family]
+        found = [longctx.named_paired(rows, "naive", "rerotate", named[n][2], where=named[n][1]) for n in names]
+        for n, (c, p), adj in zip(names, found, kvlab.holm([p for _, p in found])):
+            diffs[n] = {**c.as_dict(), "p": p, "p_holm": adj, "family": f"naive - rerotate, {family}"}
+    for k in sorted(t for t in timings if isinstance(t, int)):
         recompute = next(s for s in dict.fromkeys(r["strategy"] for r in rows) if s.startswith("recompute"))
         gap[f"{k} fragments: {recompute} closes of rerotate's span KL"] = longctx.gap_closed(
             rows, recompute, "rerotate", "span_kl", where={"n_fragments": k}
@@ -78,6 +81,7 @@ def write(out: Path, model, args, rows, timings, profile, started, keep: dict | 
         "gap_closed": gap,
         "by_kind": by_kind,
         "by_offset": by_offset,
+        "strata": [{**{k: v for k, v in r.items() if k != "ci"}, **r["ci"].as_dict()} for r in strata.compare(rows)],
         "per_set": per_set,
     }
     if profile is not None:
@@ -95,30 +99,13 @@ def write(out: Path, model, args, rows, timings, profile, started, keep: dict | 
     figures(out, name, rows, profile, args)
 
 
-#: CSV columns that hold text even when it reads as a number (an answer "1893").
-TEXT = {"question", "kind", "strategy", "answer", "truth", "ref_answer"}
-
-
-def typed(value: str):
-    """A CSV cell back as the bool, int or float it was written from (else the string)."""
-    if value in ("True", "False"):
-        return value == "True"
-    for cast in (int, float):
-        try:
-            return cast(value)
-        except ValueError:
-            pass
-    return value
-
-
 def resummarize(out: Path, name: str) -> None:
     """Summarise ``long_context_<name>.csv`` again (new measures, new tables) without re-reading a question.
 
     The run's command, arguments, wall times and phase profile are carried over from its JSON.
     """
     old = json.loads((out / f"long_context_{name}.json").read_text())
-    with open(out / f"long_context_{name}.csv", newline="") as fh:
-        rows = [{k: v if k in TEXT else typed(v) for k, v in r.items()} for r in csv.DictReader(fh)]
+    rows = strata.read_rows(out / f"long_context_{name}.csv")
     timings = {int(k) if k.isdigit() else k: v for k, v in old["wall_s_per_count"].items()}
     keep = {k: old[k] for k in ("command", "args", "wall_s_total", "phase") if k in old}
     write(out, argparse.Namespace(name=name), argparse.Namespace(**old["args"]), rows, timings, None, 0.0, keep)

@@ -11,9 +11,11 @@ from __future__ import annotations
 import json
 import sys
 
+from kvlab.measure.stats import fmt_ci
+
 
 def fmt(c, spec):
-    return "-" if c is None else f"{c['mean']:{spec}} [{c['lo']:{spec}}, {c['hi']:{spec}}]"
+    return fmt_ci(c, spec)
 
 
 def nc(r):
@@ -58,12 +60,18 @@ def table(path: str) -> str:
                 f"| {r['n_fragments']} | {r['kind']} | {r['strategy']} | {nc(r)} | {fmt(r['span_kl'], '.3f')} | "
                 f"{fmt(r['kl'], '.4f')} | {fmt(r['em'], '.2f')} | {fmt(ceil[r['n_fragments'], r['kind']], '.2f')} |"
             )
-    out += ["", "Paired differences, named before the run (same questions, resampled by cache):", ""]
+    out += [
+        "",
+        "Paired differences, named before the run (same questions, resampled by cache; p: two-sided bootstrap, "
+        "Holm-adjusted within its family, named beside it):",
+        "",
+    ]
     for k, c in d["paired_differences"].items():
-        out.append(f"- {k}: {c['mean']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}] (n={c['n']}, {c['caches']} caches)")
+        holm = f", Holm p = {c['p_holm']:.3f} in {c['family']}" if "p_holm" in c else ""
+        out.append(f"- {k}: {fmt_ci(c, '+.3f')} (n={c['n']}, {c['caches']} caches{holm})")
     out += ["", "Share of rerotate's answer-span KL that recompute closes (1 - ratio of means, paired):", ""]
     for k, c in d.get("gap_closed", {}).items():
-        out.append(f"- {k}: {c['mean']:.0%} [{c['lo']:.0%}, {c['hi']:.0%}] (n={c['n']}, {c['caches']} caches)")
+        out.append(f"- {k}: {fmt_ci(c, '.0%')} (n={c['n']}, {c['caches']} caches)")
     if d.get("by_offset"):
         k = max(r["n_fragments"] for r in d["by_offset"])
         out += [

@@ -38,7 +38,7 @@ import kvlab
 from kvlab.findings import longctx
 from kvlab.findings.evalset import EvalSet
 from kvlab.findings.qa import ask, passage_fragments, passage_texts
-from kvlab.measure.stats import mean_ci, paired_diff_ci, proportion_ci
+from kvlab.measure.stats import fmt_ci, mean_ci, paired_diff_ci, proportion_ci
 from kvlab.sweep.point import read_points
 
 COUNTS = (1, 2, 3, 4, 5, 6, 7, 8)
@@ -186,7 +186,7 @@ def measure(
 
 
 def _f(c: dict, fmt: str = ".3f") -> str:
-    return f"{c['mean']:{fmt}} [{c['lo']:{fmt}}, {c['hi']:{fmt}}]"
+    return fmt_ci(c, fmt)
 
 
 def table(doc: dict, which: str = "cells") -> str:

@@ -34,6 +34,7 @@ import numpy as np
 import kvlab
 from kvlab.atomic import atomic_path, atomic_write_text
 from kvlab.findings import longctx
+from kvlab.measure.stats import fmt_ci
 from kvlab.sweep.point import read_points
 
 RATIOS = (0.05, 0.1, 0.15, 0.3, 0.5)
@@ -97,7 +98,7 @@ def summarise(rows: list[dict], ratios, policies, seed: int) -> dict:
 
 def tables(doc: dict) -> str:
     ratios, policies = doc["args"]["ratios"], doc["args"]["policies"]
-    f = lambda c, p=2: f"{c['mean']:.{p}f} [{c['lo']:.{p}f}, {c['hi']:.{p}f}]"  # noqa: E731
+    f = lambda c, p=2: fmt_ci(c, f".{p}f")  # noqa: E731
     head = "| policy | " + " | ".join(f"r = {r:g}" for r in ratios) + " | r90 |"
     out = [
         f"Share of rerotate's answer-span KL removed ({doc['model']}, {doc['args']['count']} x "
@@ -116,7 +117,7 @@ def tables(doc: dict) -> str:
         head.replace(" r90 |", ""),
         "|" + "---|" * (len(ratios) + 1),
     ]
-    g = lambda c: f"{c['mean']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}]"  # noqa: E731
+    g = lambda c: fmt_ci(c, "+.3f")  # noqa: E731
     for p in policies:
         out.append(f"| {p} | " + " | ".join(g(doc["paired_em_minus_rerotate"][label(p, r)]) for r in ratios) + " |")
     by = {s["strategy"]: s for s in doc["summary"]}

@@ -29,13 +29,14 @@ from kvlab.cache.repro import BottomRightRecompute
 from kvlab.cache.strategies import Reprefill, Rerotate
 from kvlab.findings import longctx
 from kvlab.findings.qa import ask, passage_fragments
+from kvlab.measure.stats import fmt_ci
 
 
 def markdown(paths: list[str]) -> str:
     """The README's table of each JSON this script wrote: per model and strategy, then the paired defect - kvlab."""
 
     def f(c, spec):
-        return f"{c['mean']:{spec}} [{c['lo']:{spec}}, {c['hi']:{spec}}]"
+        return fmt_ci(c, spec)
 
     out = [
         "| model | fragments | strategy | questions / caches | answer-span KL, nats/token | first-token KL, nats | exact match |",
@@ -123,7 +124,7 @@ def main() -> None:
     atomic_write_text(out / f"recompute_mask_{model.name}.json", json.dumps(doc, indent=1, default=float))
     print(longctx.table(summary, list(strategies)))
     for key, c in diffs.items():
-        print(f"{key}: {c['mean']:+.4f} [{c['lo']:+.4f}, {c['hi']:+.4f}] (n={c['n']}, {c['caches']} caches, paired)")
+        print(f"{key}: {fmt_ci(c, '+.4f')} (n={c['n']}, {c['caches']} caches, paired)")
     print(f"done in {doc['wall_s_total']:.0f} s")
 
 

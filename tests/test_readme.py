@@ -331,3 +331,55 @@ def test_check_output_matches_a_run():
         ]
         got = [_rounding(words[1]), _rounding(words[2]), *words[3:7]]
         assert got == want, (name, words, want)
+
+
+def _stored_text(name: str) -> str:
+    nb = nbformat.read(ROOT / "notebooks" / name, as_version=4)
+    return "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
+
+
+def _section(page: Path, heading: str) -> str:
+    text = page.read_text()
+    start = text.index(heading)
+    end = text.find("\n## ", start + len(heading))
+    return text[start : end if end >= 0 else None]
+
+
+def test_notebook_06_numbers_on_the_page_are_its_stored_outputs():
+    # The page's notebook-06 paragraph quotes the stored run, not an earlier one (issue 38, item 4).
+    text = _stored_text("06_llama_cpp.ipynb")
+    page = _section(ROOT / "results" / "README.md", "## Beside llama.cpp (notebook 06)")
+    conv = re.search(r"n=12: KL mean (\S+) nats \[95% CI (\S+), (\S+)\], max (\S+); top-1 agreement", text)
+    assert conv, "notebook 06 no longer prints its conversion line"
+    assert f"mean {conv[1]} nats\n  [95% CI {conv[2]}, {conv[3]}], max {conv[4]}" in page
+    prompts = [l for l in text.splitlines() if re.match(r"^'.*'\s+\d+\s+\S+\s+\S+\s+'", l)]
+    flips = [l for l in prompts if l.endswith("DIFFERS")]
+    assert len(prompts) == 12 and f"top-1 agrees on {12 - len(flips)}/12" in page
+    for l in flips:
+        a, b = re.findall(r"'([^']*)'", l.split("DIFFERS")[0])[-2:]
+        assert f"` {a.strip()}`/` {b.strip()}`" in page
+    f32 = re.search(r"on the F32 copy: KL mean (\S+) \[(\S+), (\S+)\]", text)
+    assert f"agrees to {f32[1]} [{f32[2]}, {f32[3]}]" in page
+    rows = {
+        ("llama.cpp", "shift"): "shift-merge (`--cache-reuse`)",
+        ("llama.cpp", "phase"): "fragment decoded at its landing positions",
+        ("kvlab", "naive"): "naive",
+        ("kvlab", "rerotate"): "rerotate",
+        ("kvlab", "recompute r=0.15"): "recompute r=0.15",
+        ("both", "joined"): "llama.cpp joined vs kvlab joined",
+    }
+    for (engine, method), shown in rows.items():
+        m = re.search(
+            rf"^{re.escape(engine)}\s+{re.escape(method)}\s+(joined|llama\.cpp joined)\s+(\S+)\s+\[(\S+), (\S+)\]\s+\S+\s+(\S+)$",
+            text,
+            flags=re.M,
+        )
+        assert m, (engine, method)
+        top1 = round(float(m[5]) * 5)
+        assert f"| {engine} | {shown} | {m[2]} [{m[3]}, {m[4]}] | {top1}/5 |" in page, (engine, method)
+    corr = re.search(r"correlation (\S+); shift/rerotate mean ratio (\S+)", text)
+    assert f"correlate at {corr[1]} (shift/rerotate mean ratio {corr[2]})" in page
+    shift = re.search(r"decode: (\S+) nats on the Q4_1 file, (\S+) on its F32 copy", text)
+    assert f"off by {shift[1]} on the Q4_1 file and\n  by {shift[2]} on the F32 copy" in page
+    req = re.search(r"^state\s+Q4_0 requant\s+loads\s+(\S+)\s+(\S+)\s+(\d)/5", text, flags=re.M)
+    assert f"KL {req[1]} nats mean\n  (max {req[2]}, top-1 flips on {req[3]} of 5 probes)" in page

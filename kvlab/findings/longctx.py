@@ -20,7 +20,7 @@ from kvlab.findings.evalset import EvalSet, generate, normalize
 from kvlab.findings.qa import ask, passage_fragments
 from kvlab.measure.metrics import phase_error
 from kvlab.measure.references import phase_reference
-from kvlab.measure.stats import CI, gap_closed_ci, mean_ci, paired_diff_ci, proportion_ci
+from kvlab.measure.stats import CI, fmt_ci, gap_closed_ci, mean_ci, paired_diff_ci, paired_p, proportion_ci
 from kvlab.models.loaded import LoadedModel
 
 
@@ -180,7 +180,7 @@ def cache_of(row: dict) -> tuple:
 def summarize(rows: list[dict], by: tuple[str, ...] = ("n_fragments", "strategy"), *, seed: int = 0) -> list[dict]:
     """Mean and 95% interval of ``kl``, ``span_kl``, ``nll``, ``em`` and ``agree`` per group of rows, over caches.
 
-    Intervals resample caches (:func:`cache_of`), then questions within them; ``em``, ``agree``
+    Intervals resample caches (:func:`cache_of`), each with all its questions; ``em``, ``agree``
     and ``ref_em`` (the joined prefill's exact match: the full-context ceiling) are rates
     (:func:`kvlab.proportion_ci`: never collapsing at 0 or 1). Agreement with the joined
     prefill counts only where that reference is right, so ``agree_right`` is over the
@@ -250,6 +250,14 @@ def paired(rows: list[dict], a: str, b: str, metric: str, *, where: dict | None 
     return paired_diff_ci(x, y, clusters=caches, seed=seed)
 
 
+def named_paired(
+    rows: list[dict], a: str, b: str, metric: str, *, where: dict | None = None, seed: int = 0
+) -> tuple[CI, float]:
+    """:func:`paired` and its two-sided bootstrap p (:func:`kvlab.paired_p`, same resamples), for a named family."""
+    x, y, caches = pairs(rows, a, b, metric, where)
+    return paired_diff_ci(x, y, clusters=caches, seed=seed), paired_p(x, y, clusters=caches, seed=seed)
+
+
 def gap_closed(
     rows: list[dict], a: str, b: str, metric: str = "span_kl", *, where: dict | None = None, seed: int = 0
 ) -> CI:
@@ -258,8 +266,7 @@ def gap_closed(
     return gap_closed_ci(x, y, clusters=caches, seed=seed)
 
 
-def _c(c, f: str = ".4f") -> str:
-    return "-" if c is None else f"{c.mean:{f}} [{c.lo:{f}}, {c.hi:{f}}]"
+_c = fmt_ci
 
 
 def table(summary: list[dict], strategies: list[str]) -> str:
@@ -278,7 +285,7 @@ def table(summary: list[dict], strategies: list[str]) -> str:
             f"{_c(r.get('span_kl')):<26} {_c(r['em'], '.2f'):<18} {right}"
         )
     lines.append(
-        "95% intervals over caches (a cluster bootstrap: caches, then questions within them); exact match "
+        "95% intervals over caches (a cluster bootstrap: caches resampled, each with all its questions); exact match "
         "against the truth; reprefill's exact match is the full-context ceiling"
     )
     return "\n".join(lines)
@@ -315,5 +322,4 @@ def at_scale(doc: dict, path: str) -> list[str]:
     return lines
 
 
-def _d(c: dict, f: str = ".4f") -> str:
-    return f"{c['mean']:{f}} [{c['lo']:{f}}, {c['hi']:{f}}]"
+_d = fmt_ci

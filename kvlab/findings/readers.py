@@ -5,7 +5,7 @@ read through the chat template and saved by the producer as a cache file. Every 
 (:func:`kvlab.variants`) reads every question of every file twice, behind its own prefill and
 behind the producer's file forced through with ``strict=False``
 (:func:`kvlab.mismatch_kl` with the true answers). A question's scores are one row; the cache
-is the unit that varies, so every interval resamples caches, then questions within them.
+is the unit that varies, so every interval resamples caches, each with all its questions.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from kvlab.findings.evalset import Question
 from kvlab.findings.longctx import make_set
 from kvlab.findings.qa import passage_texts
 from kvlab.measure.mismatch import mismatch_kl
-from kvlab.measure.stats import CI, mean_ci, paired_diff_ci, proportion_ci
+from kvlab.measure.stats import CI, fmt_ci, mean_ci, paired_diff_ci, proportion_ci
 from kvlab.models.loaded import LoadedModel
 
 #: Per-question scores: first-token KL, answer-span KL per token, answer NLL change, top-1 flip.
@@ -149,8 +149,7 @@ def first_tokens(model: LoadedModel, caches: list[ProducerCache]) -> dict[str, l
     return {k: sorted(v) for k, v in sorted(out.items())}
 
 
-def _ci(c: CI, f: str = ".4f") -> str:
-    return f"{c.mean:{f}} [{c.lo:{f}}, {c.hi:{f}}]"
+_ci = fmt_ci
 
 
 def table(rows: list[dict], ci: dict, readers: list[str], unreadable_: dict[str, bool], model_name: str) -> str:

@@ -2,8 +2,10 @@
 
 The questions of one generated set share one merged cache, so they are not independent: the
 cache is the unit that varies. :func:`mean_ci` and :func:`paired_diff_ci` take ``clusters``
-(the cache each value was measured behind) and then resample caches, and questions within
-them (a two-stage cluster bootstrap); without it, items are resampled. :func:`proportion_ci`
+(the cache each value was measured behind) and then resample caches with replacement, keeping
+all of each drawn cache's questions (the standard cluster bootstrap); without it, items are
+resampled. ``two_stage=True`` also resamples questions within each drawn cache: a sensitivity
+column only (it double-counts the within-cache spread and widens the interval). :func:`proportion_ci`
 gives rates (exact match, agreement) an interval that never collapses at 0 or 1: the cluster
 bootstrap's, widened to cover the Wilson interval at the effective sample size. :func:`holm`
 corrects a family of named comparisons. Resampling is vectorised and seeded: a re-run prints
@@ -61,10 +63,27 @@ class CI:
     def __format__(self, spec: str) -> str:
         spec = spec or ".3f"
         caches = "" if self.n_clusters is None else f", caches={self.n_clusters}"
-        return f"{self.mean:{spec}} [{self.lo:{spec}}, {self.hi:{spec}}] (n={self.n}{caches})"
+        return f"{fmt_ci(self, spec)} (n={self.n}{caches})"
 
     def __str__(self) -> str:
         return format(self)
+
+
+def fmt_ci(c, spec: str = ".4f") -> str:
+    """``mean [lo, hi]``: kvlab's one way of writing an interval, for tables and conclusions.
+
+    Parameters
+    ----------
+    c : CI, dict or None
+        A :class:`CI` or its result-file form (:meth:`CI.as_dict`: ``mean``, ``lo``, ``hi``); None
+        writes ``-``.
+    spec : str
+        Format spec of the three numbers (``".3f"``, ``"+.3f"``, ``".0%"``).
+    """
+    if c is None:
+        return "-"
+    mean, lo, hi = (c.mean, c.lo, c.hi) if isinstance(c, CI) else (c["mean"], c["lo"], c["hi"])
+    return f"{mean:{spec}} [{lo:{spec}}, {hi:{spec}}]"
 
 
 def _values(x, name: str) -> np.ndarray:
@@ -98,15 +117,26 @@ def _groups(clusters, n: int) -> list[np.ndarray] | None:
     return [np.asarray(m) for m in members]
 
 
-def _resample_means(a: np.ndarray, groups, n_boot: int, seed: int) -> np.ndarray:
-    """``[n_boot]`` bootstrap means of ``a``: items alone, or caches then items within each cache."""
+def _resample_means(a: np.ndarray, groups, n_boot: int, seed: int, two_stage: bool = False) -> np.ndarray:
+    """``[n_boot]`` bootstrap means of ``a``: items alone, or caches with all their items.
+
+    With ``groups``, each resample draws ``len(groups)`` caches with replacement and its mean is
+    the sum of the drawn caches' items over their count (the standard cluster bootstrap; for
+    equal cache sizes, the bootstrap of the per-cache means). ``two_stage`` also redraws the
+    items within every drawn cache (the sensitivity scheme). The caches drawn depend only on
+    ``seed`` and the cache count, not on the values: two arrays resampled with one seed are
+    resampled together.
+    """
     rng = np.random.default_rng(seed)
     if groups is None:
         return a[rng.integers(0, a.size, size=(int(n_boot), a.size))].mean(axis=1)
     sizes = np.array([g.size for g in groups])
     picks = rng.integers(0, len(groups), size=(int(n_boot), len(groups)))
-    sums = np.zeros(int(n_boot))
     counts = sizes[picks].sum(axis=1)
+    if not two_stage:
+        totals = np.array([a[g].sum() for g in groups])
+        return totals[picks].sum(axis=1) / counts
+    sums = np.zeros(int(n_boot))
     # Stage two, per cache: its items resampled with replacement, once for every time it was drawn.
     for ci, g in enumerate(groups):
         times = (picks == ci).sum(axis=1)
@@ -119,14 +149,16 @@ def _resample_means(a: np.ndarray, groups, n_boot: int, seed: int) -> np.ndarray
     return sums / counts
 
 
-def _interval(a: np.ndarray, groups, n_boot: int, seed: int, level: float) -> CI:
-    means = _resample_means(a, groups, n_boot, seed)
+def _interval(a: np.ndarray, groups, n_boot: int, seed: int, level: float, two_stage: bool = False) -> CI:
+    means = _resample_means(a, groups, n_boot, seed, two_stage)
     tail = (1 - level) / 2 * 100
     lo, hi = np.percentile(means, [tail, 100 - tail])
     return CI(float(a.mean()), float(lo), float(hi), int(a.size), level, None if groups is None else len(groups))
 
 
-def mean_ci(values, *, clusters=None, n_boot: int = N_BOOT, seed: int = 0, level: float = 0.95) -> CI:
+def mean_ci(
+    values, *, clusters=None, n_boot: int = N_BOOT, seed: int = 0, level: float = 0.95, two_stage: bool = False
+) -> CI:
     """Mean of ``values`` with a percentile-bootstrap interval.
 
     Parameters
@@ -135,13 +167,15 @@ def mean_ci(values, *, clusters=None, n_boot: int = N_BOOT, seed: int = 0, level
         ``[n]`` finite numbers (for a rate such as exact match use :func:`proportion_ci`).
     clusters : sequence, optional
         ``[n]`` labels: the cache (generated set) each value was measured behind. Given, caches
-        are resampled, then values within them, and the interval states ``n_clusters``.
+        are resampled with all their values, and the interval states ``n_clusters``.
     n_boot : int
         Resamples of the ``n`` items, with replacement.
     seed : int
         Seed of the resampling (same seed, same interval).
     level : float
         Coverage, 0.95 for a 95% interval.
+    two_stage : bool
+        Also resample values within each drawn cache (a sensitivity column, not kvlab's interval).
 
     Returns
     -------
@@ -149,15 +183,18 @@ def mean_ci(values, *, clusters=None, n_boot: int = N_BOOT, seed: int = 0, level
     """
     _check(n_boot, level)
     a = _values(values, "values")
-    return _interval(a, _groups(clusters, a.size), n_boot, seed, level)
+    return _interval(a, _groups(clusters, a.size), n_boot, seed, level, two_stage)
 
 
-def paired_diff_ci(a, b, *, clusters=None, n_boot: int = N_BOOT, seed: int = 0, level: float = 0.95) -> CI:
+def paired_diff_ci(
+    a, b, *, clusters=None, n_boot: int = N_BOOT, seed: int = 0, level: float = 0.95, two_stage: bool = False
+) -> CI:
     """Mean of ``a - b`` over paired items, with a percentile-bootstrap interval.
 
     ``a[i]`` and ``b[i]`` must be measured on the same item (question, probe); the items
-    are resampled jointly. The difference is resolved at ``level`` when the interval
-    excludes 0 (:meth:`CI.excludes`).
+    are resampled jointly: each pair's difference is taken first, and the differences are
+    averaged as :func:`mean_ci` averages values (by cache, when ``clusters`` is given). The
+    difference is resolved at ``level`` when the interval excludes 0 (:meth:`CI.excludes`).
 
     Parameters
     ----------
@@ -165,12 +202,14 @@ def paired_diff_ci(a, b, *, clusters=None, n_boot: int = N_BOOT, seed: int = 0, 
         ``[n]`` each.
     clusters : sequence, optional
         ``[n]`` cache labels, as for :func:`mean_ci`; pairs stay together within their cache.
+    two_stage : bool
+        As for :func:`mean_ci` (sensitivity only).
     """
     _check(n_boot, level)
     x, y = _values(a, "a"), _values(b, "b")
     if x.shape != y.shape:
         raise StatsError(f"paired values need equal lengths, got {x.size} and {y.size}")
-    return _interval(x - y, _groups(clusters, x.size), n_boot, seed, level)
+    return _interval(x - y, _groups(clusters, x.size), n_boot, seed, level, two_stage)
 
 
 def proportion_ci(successes, *, clusters=None, n_boot: int = N_BOOT, seed: int = 0, level: float = 0.95) -> CI:

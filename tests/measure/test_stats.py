@@ -36,7 +36,7 @@ def test_cluster_bootstrap_widens_for_shared_caches_and_states_them():
     x, caches = clustered(rng, caches=4, per=12)
     alone, by_cache = mean_ci(x), mean_ci(x, clusters=caches)
     assert alone.n_clusters is None and by_cache.n_clusters == 4 and by_cache.n == 48
-    assert by_cache.hi - by_cache.lo > 2.5 * (alone.hi - alone.lo)
+    assert by_cache.hi - by_cache.lo > 2 * (alone.hi - alone.lo)
     assert "caches=4" in format(by_cache) and by_cache.mean == alone.mean
     # One item per cache is the items-alone bootstrap again (same spread, up to resampling noise).
     singles = mean_ci(x, clusters=range(48), n_boot=4000)
@@ -53,7 +53,7 @@ def test_cluster_intervals_cover_and_item_intervals_do_not():
             mean_ci(x, clusters=caches, n_boot=400).lo <= 0 <= mean_ci(x, clusters=caches, n_boot=400).hi
         )
         covered["items"] += mean_ci(x, n_boot=400).lo <= 0 <= mean_ci(x, n_boot=400).hi
-    # Measured 0.87 and 0.39: the percentile bootstrap over 6 caches undercovers a little; resampling
+    # Measured 0.89 and 0.43 (two-stage: 0.92): the percentile bootstrap over 6 caches undercovers a little; resampling
     # questions as if independent misses the truth most of the time.
     assert covered["caches"] / 120 > 0.8 and covered["items"] / 120 < 0.6
 
@@ -93,3 +93,60 @@ def test_gap_closed_is_one_minus_the_ratio_of_means_resampled_in_pairs():
         kvlab.gap_closed_ci([0.0, 0.0], [0.0, 0.0])
     with pytest.raises(kvlab.StatsError, match="equal lengths"):
         kvlab.gap_closed_ci([1.0], [1.0, 2.0])
+
+
+def test_the_cluster_bootstrap_keeps_every_question_of_a_drawn_cache():
+    # Two caches: every resample is cache 0 twice, cache 1 twice or one of each, so its mean is
+    # 1.0, 2.0 or 1.5, and the 2.5% / 97.5% percentiles are exactly the two cache means (each of
+    # "both draws the same cache" has probability 1/4). Resampling questions within caches would
+    # put means between and beyond them.
+    x = [0.0, 2.0, 1.0, 1.0, 3.0, 2.0]  # cache 0 mean 1.0 (spread), cache 1 mean 2.0 (spread)
+    caches = [0, 0, 0, 1, 1, 1]
+    ci = mean_ci(x, clusters=caches, n_boot=4000)
+    assert (ci.lo, ci.hi) == (1.0, 2.0) and ci.mean == 1.5 and ci.n_clusters == 2
+    from kvlab.measure.stats import _groups, _resample_means
+
+    means = _resample_means(np.asarray(x), _groups(caches, 6), 4000, 0)
+    assert set(np.round(means, 12)) == {1.0, 1.5, 2.0}
+    two = mean_ci(x, clusters=caches, n_boot=4000, two_stage=True)
+    assert two.lo < 1.0 and two.hi > 2.0  # the sensitivity scheme, wider
+
+
+def test_unequal_caches_weigh_by_their_questions():
+    # Cache 0 holds one question (0.0), cache 1 three (each 4.0): a resample of one of each is the
+    # pooled mean of its 4 questions, 3.0, not the mean of the two cache means, 2.0.
+    from kvlab.measure.stats import _groups, _resample_means
+
+    means = _resample_means(np.array([0.0, 4.0, 4.0, 4.0]), _groups([0, 1, 1, 1], 4), 1000, 0)
+    assert set(np.round(means, 12)) == {0.0, 3.0, 4.0}
+
+
+def test_equal_caches_give_the_bootstrap_of_the_per_cache_means():
+    rng = np.random.default_rng(3)
+    x, caches = clustered(rng, caches=7, per=6)
+    per_cache = x.reshape(7, 6).mean(axis=1)
+    by_cache = mean_ci(x, clusters=caches, seed=5)
+    of_means = mean_ci(per_cache, seed=5)  # the same draws of 7 out of 7
+    assert by_cache.lo == pytest.approx(of_means.lo, abs=1e-12) and by_cache.hi == pytest.approx(of_means.hi, abs=1e-12)
+    # Paired: differences per question, then averaged by cache, is the bootstrap of per-cache mean differences.
+    b = x - rng.normal(0.3, 0.5, x.size)
+    d = paired_diff_ci(x, b, clusters=caches, seed=5)
+    dm = mean_ci((x - b).reshape(7, 6).mean(axis=1), seed=5)
+    assert (d.lo, d.hi) == pytest.approx((dm.lo, dm.hi), abs=1e-12) and d.n == 42 and d.n_clusters == 7
+
+
+def test_a_rate_by_cache_never_collapses_even_when_every_cache_agrees():
+    # 0 of 40 over 4 caches: the cluster bootstrap is [0, 0]; the Wilson floor keeps an interval.
+    c = proportion_ci([0] * 40, clusters=np.repeat(np.arange(4), 10))
+    assert c.lo == 0 and c.hi > 0.05 and c.n_clusters == 4
+    c = proportion_ci([1] * 40, clusters=np.repeat(np.arange(4), 10))
+    assert c.hi == 1 and c.lo < 0.95
+
+
+def test_one_formatter_for_intervals_and_their_file_form():
+    c = mean_ci([1.0, 2.0, 3.0], clusters=[0, 0, 1])
+    assert kvlab.fmt_ci(c, ".2f") == kvlab.fmt_ci(c.as_dict(), ".2f") == f"{c.mean:.2f} [{c.lo:.2f}, {c.hi:.2f}]"
+    assert (
+        kvlab.fmt_ci(None) == "-" and kvlab.fmt_ci({"mean": 0.5, "lo": 0.25, "hi": 1}, "+.0%") == "+50% [+25%, +100%]"
+    )
+    assert format(c, ".2f") == kvlab.fmt_ci(c, ".2f") + " (n=3, caches=2)"
