@@ -1,9 +1,9 @@
 """Cache files against a model: save a Fragment with its producer's fingerprint, load it into a reader.
 
-The format itself is :mod:`kvlab.files.format`. Before saving, the cache is checked against
-the model that made it; before loading, the file against the model that reads it
-(fingerprint, geometry, positions, vocabulary), then every tensor's digest as it lands in
-the new cache. Nothing here unpickles.
+The format itself is :mod:`kvlab.files.format` (the container) and :mod:`kvlab.files.header`.
+Before saving, the cache is checked against the model that made it; before loading, the file
+against the model that reads it (fingerprint, geometry, positions, vocabulary), then every
+tensor's digest as it lands in the new cache. Nothing here unpickles.
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ from transformers import DynamicCache
 from kvlab.cache.fragments import Fragment, new_cache, set_length
 from kvlab.errors import CacheFileError, CacheFileWarning, FingerprintMismatch
 from kvlab.files.format import (
-    FORMAT,
-    FORMAT_VERSION,
     MAX_HEADER_BYTES,
     ST_DTYPES,
     TENSOR_DIGEST,
@@ -35,6 +33,7 @@ from kvlab.files.format import (
     verify_file,
     write_container,
 )
+from kvlab.files.header import FORMAT, FORMAT_VERSION
 from kvlab.files.identity import Difference, compare, fingerprint
 from kvlab.models.loaded import LoadedModel
 
