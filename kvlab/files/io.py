@@ -18,7 +18,6 @@ from transformers import DynamicCache
 from kvlab.cache.fragments import Fragment, new_cache, set_length
 from kvlab.errors import CacheFileError, CacheFileWarning, FingerprintMismatch
 from kvlab.files.format import (
-    MAX_HEADER_BYTES,
     ST_DTYPES,
     TENSOR_DIGEST,
     Container,
@@ -27,30 +26,15 @@ from kvlab.files.format import (
     content_digest,
     digest_error,
     open_container,
-    read_header,
     tensor_digest,
     tensor_names,
-    verify_file,
     write_container,
 )
 from kvlab.files.header import FORMAT, FORMAT_VERSION
 from kvlab.files.identity import Difference, compare, fingerprint
 from kvlab.models.loaded import LoadedModel
 
-__all__ = [
-    "CacheFileWarning",
-    "FORMAT",
-    "FORMAT_VERSION",
-    "MAX_HEADER_BYTES",
-    "TENSOR_DIGEST",
-    "content_digest",
-    "load_cache",
-    "load_with_differences",
-    "read_header",
-    "save_cache",
-    "tensor_digest",
-    "verify_file",
-]
+__all__ = ["load_cache", "load_with_differences", "save_cache"]
 
 
 # --------------------------------------------------------------------------- saving

@@ -26,7 +26,8 @@ from benchmarks.fuzz.seeds import tiny_seeds
 from kvlab.errors import CacheFileError
 from kvlab.files import format as cacheformat
 from kvlab.files import header as cacheheader
-from kvlab.files.io import load_cache, read_header, save_cache
+from kvlab.files.format import read_header
+from kvlab.files.io import load_cache, save_cache
 
 CORPUS = Path(__file__).with_name("fuzz_corpus")
 
