@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import torch
@@ -105,18 +104,16 @@ def _size(n: int) -> str:
 def _inspect(args) -> int:
     from pathlib import Path
 
-    from kvlab.atomic import stale_temporaries
-    from kvlab.files.format import read_header, verify_file
     from kvlab.files.identity import show
-    from kvlab.files.io import load_cache
-    from kvlab.models.sources import load_model
+    from kvlab.files.inspect import inspect_file, load_into
 
     path = Path(args.file)
     if path.is_dir():
         return _inspect_folder(path, args.model)
     # With a model, load_cache checks the tensor digests itself: read the file once.
-    h = read_header(path) if args.model else verify_file(path)
-    size = _size(path.stat().st_size)
+    found = inspect_file(path, verify=not args.model)
+    h = found.header
+    size = _size(found.size)
     if h is None:
         print(
             f"{path} ({size}): a safetensors file with no kvlab header: no producer fingerprint, no "
@@ -149,49 +146,27 @@ def _inspect(args) -> int:
     if text is not None:
         print(f"  text       {text[:70]!r}{' ...' if len(text) > 70 else ''}")
     if args.model:
-        model = load_model(args.model)
-        load_cache(path, model)  # a mismatch raises FingerprintMismatch, printed by main with every field
+        model = load_into(path, args.model)  # a mismatch raises FingerprintMismatch, printed by main with every field
     print(f"  tensors    all {2 * len(layers)} match their {h['tensor_digest']} digests")
     if args.model:
         print(f"  loads into {model.name}: yes, every strict fingerprint field matches")
-    stale = stale_temporaries(path.parent, path.name)
-    if stale:
+    if found.leftovers:
         print(
-            f"  left over  {len(stale)} temporary file(s) of a save that died: "
-            f"{', '.join(f'{_printable(p.name)} ({_size(_leftover_bytes(p))})' for p in stale)}; "
+            f"  left over  {len(found.leftovers)} temporary file(s) of a save that died: "
+            f"{', '.join(f'{_printable(t.path.name)} ({_size(t.size)})' for t in found.leftovers)}; "
             "the next save into this folder removes them"
         )
     return 0
 
 
-def _leftover_bytes(p) -> int:
-    """Bytes a leftover holds: a file's size, or the sum over a folder's files (links not followed)."""
-    try:
-        if not p.is_dir() or p.is_symlink():
-            return p.lstat().st_size
-        total = 0
-        for root, _, names in os.walk(p):
-            for n in names:
-                total += os.lstat(os.path.join(root, n)).st_size
-        return total
-    except OSError:  # removed meanwhile (a save of the same file)
-        return 0
-
-
 def _folder_holds(t) -> str:
     """What a private temporary folder of a save holds, the library's own temporary named as such."""
-    from kvlab.files.format import is_library_temporary
-
-    if not t.is_dir() or t.is_symlink():
-        return ""
-    try:
-        inside = sorted(t.iterdir())
-    except OSError:
+    if t.inside is None:
         return ""
     parts = [
-        f"{_printable(q.name)} ({_size(_leftover_bytes(q))}"
-        + (", the safetensors library's temporary)" if is_library_temporary(q) else ")")
-        for q in inside
+        f"{_printable(e.name)} ({_size(e.size)}"
+        + (", the safetensors library's temporary)" if e.library_temporary else ")")
+        for e in t.inside
     ]
     return f"; its folder holds {', '.join(parts)}" if parts else "; its folder is empty"
 
@@ -210,62 +185,44 @@ def _inspect_folder(folder, model_name: str | None) -> int:
     """List the cache files of a folder, whether each is intact, and the temporaries of saves that died."""
     import datetime
 
-    from kvlab.atomic import stale_temporaries, temporary_of
-    from kvlab.errors import CacheFileError, FingerprintMismatch
-    from kvlab.files.format import is_library_temporary, read_header, stray_library_temporaries, verify_file
-    from kvlab.files.io import load_cache
-    from kvlab.models.sources import load_model
+    from kvlab.files.inspect import inspect_folder
 
-    model = load_model(model_name) if model_name else None
-    files = sorted(p for p in folder.iterdir() if not p.name.startswith(".") and p.is_file())
-    rows, other, trouble = [], 0, 0
-    for p in files:
-        try:
-            h = read_header(p) if model else verify_file(p)
-            if model and h is not None:
-                load_cache(p, model)
-        except (CacheFileError, FingerprintMismatch) as e:
-            # A file that is not a cache at all is not listed, unless its name says it should be one.
-            if isinstance(e, CacheFileError) and p.suffix not in (".kvcache", ".safetensors") and model is None:
-                other += 1
-                continue
-            why = str(e).removeprefix(str(p)).removeprefix(": ").strip()
-            rows.append((p, f"{type(e).__name__}: {_printable(why[:300])}"))
-            trouble += 1
-            continue
-        if h is None:
-            rows.append((p, "safetensors, no kvlab header: load_cache needs allow_unverified=True"))
-            trouble += 1
-            continue
-        made = f"{_printable(h['model_name'])}, {h['length']} tokens at {h['start']}, {len(h['layers'])} layers, {h['dtype']}"
-        rows.append((p, f"{made}: " + (f"intact, loads into {model.name}" if model else "intact")))
-    stale = stale_temporaries(folder)
-    strays = stray_library_temporaries(folder)
-    lookalikes = [p for p in sorted(folder.iterdir()) if is_library_temporary(p) and p not in strays and p.is_file()]
-    caches = sum(1 for _, what in rows if "intact" in what)
+    found = inspect_folder(folder, model_name)
+    model = found.model
+    rows = []
+    for f in found.files:
+        if f.error is not None:
+            what = f"{type(f.error).__name__}: {_printable(f.why[:300])}"
+        elif f.header is None:
+            what = "safetensors, no kvlab header: load_cache needs allow_unverified=True"
+        else:
+            h = f.header
+            made = f"{_printable(h['model_name'])}, {h['length']} tokens at {h['start']}, {len(h['layers'])} layers, {h['dtype']}"
+            what = f"{made}: " + (f"intact, loads into {model.name}" if model else "intact")
+        rows.append((f, what))
+    stale, strays = found.stale, found.strays
     print(
-        f"{folder}: {caches} intact cache file(s), {len(rows) - caches} with a problem, "
+        f"{folder}: {found.intact} intact cache file(s), {len(found.files) - found.intact} with a problem, "
         f"{len(stale)} temporary file(s) left by saves that died"
         + (f", {len(strays)} begun by the safetensors library for a kvlab save" if strays else "")
-        + (f", {other} other file(s)" if other else "")
+        + (f", {found.others} other file(s)" if found.others else "")
     )
-    width = max((len(p.name) for p, _ in rows), default=0)
-    for p, what in rows:
-        print(f"  {_printable(p.name):<{width}}  {_size(p.stat().st_size):>9}  {what}")
+    width = max((len(f.path.name) for f, _ in rows), default=0)
+    for f, what in rows:
+        print(f"  {_printable(f.path.name):<{width}}  {_size(f.size):>9}  {what}")
 
     def when(t) -> str:
-        try:
-            return datetime.datetime.fromtimestamp(t.lstat().st_mtime).strftime("%Y-%m-%d %H:%M")
-        except OSError:  # removed meanwhile
+        if t.mtime is None:  # removed meanwhile
             return "(gone)"
+        return datetime.datetime.fromtimestamp(t.mtime).strftime("%Y-%m-%d %H:%M")
 
     if stale:
         print("  left by saves that died (the next save into this folder removes them; or delete them):")
     for t in stale:
-        target, pid = temporary_of(t)
-        name = _printable(t.name) + ("/" if t.is_dir() and not t.is_symlink() else "")
+        target, pid = t.writer
+        name = _printable(t.path.name) + ("/" if t.is_folder else "")
         print(
-            f"    {name}  {_size(_leftover_bytes(t))}  {when(t)}: a save of {_printable(target)} by process {pid}, "
+            f"    {name}  {_size(t.size)}  {when(t)}: a save of {_printable(target)} by process {pid}, "
             f"now gone{_folder_holds(t)}"
         )
     if strays:
@@ -275,13 +232,13 @@ def _inspect_folder(folder, model_name: str | None) -> int:
             "runs; delete them when none does):"
         )
     for t in strays:
-        print(f"    {_printable(t.name)}  {_size(_leftover_bytes(t))}  {when(t)}")
-    if lookalikes:
+        print(f"    {_printable(t.path.name)}  {_size(t.size)}  {when(t)}")
+    if found.lookalikes:
         # An earlier kvlab's save killed before the library wrote its header leaves such a file
         # too, but so may any program built on the same crate: listed, not counted.
-        shown = ", ".join(f"{_printable(t.name)} ({_size(_leftover_bytes(t))})" for t in lookalikes)
+        shown = ", ".join(f"{_printable(t.path.name)} ({_size(t.size)})" for t in found.lookalikes)
         print(f"  named as the safetensors library names its temporaries, but with no kvlab header: {shown}")
-    return 1 if trouble or stale or strays else 0
+    return 0 if found.clean else 1
 
 
 def _peers(args) -> int:
