@@ -42,10 +42,10 @@ from kvlab.files.identity import tensor_bytes
 TENSOR_DIGEST = "xxh3-128"
 #: Headers longer than this are refused before being parsed (safetensors itself allows 100 MB).
 MAX_HEADER_BYTES = 64 << 20
-#: A header may also be at most this plus an eighth of the tensor data it describes. Parsed,
-#: JSON takes up to ~20x its size in Python objects ("[[],[]...]"); a header that is small
-#: beside its data keeps a read within a few times the file's size. A real cache's header is
-#: ~1-2 kB plus ~10-60 bytes a token, against >= 2 kB of keys and values a token.
+#: A header may also be at most this plus an eighth of the tensor data it describes. Parsed
+#: JSON takes many times its size in Python objects; a header that is small beside its data
+#: keeps a read within a few times the file's size, and a real cache's header is far smaller
+#: than its keys and values (the figures: ``docs/cache-file-format.md``, "Bounds on work").
 HEADER_FLOOR = 128 << 10
 
 

@@ -102,9 +102,10 @@ def _import_jsonschema():
 
         return jsonschema
     # jsonschema imports rfc3987_syntax where it is installed (Jupyter's extras install it),
-    # for its "iri" format, and that builds a Lark parser on import: 1 to 3 s here, longer than
-    # everything else a cache read costs. kvlab checks no formats, so the import is held back
-    # while jsonschema loads (it then only lacks the "iri" format checker) and allowed after.
+    # for its "iri" format, and that builds a Lark parser on import, which costs more than
+    # everything else a cache read does (docs/cache-file-format.md). kvlab checks no formats, so
+    # the import is held back while jsonschema loads (it then only lacks the "iri" format
+    # checker) and allowed after.
     sys.modules["rfc3987_syntax"] = None
     try:
         import jsonschema
@@ -125,8 +126,8 @@ def _validator():
     )
     generic = Draft202012Validator.VALIDATORS
 
-    # jsonschema spends ~15 us on each value it descends into: 2 s for 100k token ids, 10 ms
-    # for a 30-layer header. The three keywords below find the first failing element in a
+    # jsonschema descends into every value, slowly for a header of many token ids or layers
+    # (docs/cache-file-format.md). The two keywords below find the first failing element in a
     # loop (a bounded integer or string is checked in plain Python; of equal layers only the
     # first is descended into) and hand only that one to jsonschema, for its error. The first
     # error, all kvlab reports, is the same.
@@ -164,7 +165,7 @@ def _validator():
 
 def _inline_refs(node, defs: dict):
     """``node`` with each ``{"$ref": "#/$defs/x", ...}`` replaced by ``{"allOf": [x], ...}``: a
-    reference costs jsonschema a lookup on every use (a third of a header's checking time)."""
+    reference costs jsonschema a lookup on every use."""
     if isinstance(node, list):
         return [_inline_refs(x, defs) for x in node]
     if not isinstance(node, dict):

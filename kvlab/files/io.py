@@ -281,8 +281,8 @@ def _build(box: Container, layout: Layout, model: LoadedModel) -> Fragment:
     # LoadedModel.dtype/device walk the parameters; read them once, not per tensor.
     dtype, device = model.dtype, model.device
     same_bytes = layout.dtype == dtype and device.type == "cpu"
-    # Hashed inline: handing each tensor to a worker thread measured slower (17 -> 20 ms for
-    # 94 MB) than hashing it here while the fresh copy is still in the CPU's caches.
+    # Hashed inline, while the fresh copy is still in the CPU's caches: a worker thread per
+    # tensor measured slower (benchmarks/README.md, "Cache files").
     bad: list[str] = []
 
     def check(name: str, t: torch.Tensor) -> None:
