@@ -314,6 +314,23 @@ def _sweep(args) -> int:
 
 MODEL_HELP = "a kvlab model name (kvlab models), a Hugging Face model folder or a .gguf file"
 
+
+class _Version(argparse.Action):
+    """``--version``: print kvlab's installed version and exit (read only when asked: it costs a metadata read)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from kvlab.files.identity import package_versions
+
+        version = package_versions("kvlab")["kvlab"]
+        if version is None:
+            parser.exit(1, "kvlab: not installed, so it has no version (pip install -e .)\n")
+        print(f"kvlab {version}")
+        parser.exit()
+
+
 #: ``--engine-merge`` with no target: llama.cpp's own cache reuse.
 LLAMA_CPP = "llama.cpp"
 
@@ -323,6 +340,7 @@ def parser() -> argparse.ArgumentParser:
     from kvlab.models.loaded import DEFAULT_MODEL
 
     parser = argparse.ArgumentParser(prog="kvlab", description="Is a merged or reloaded KV cache still right?")
+    parser.add_argument("--version", action=_Version, help="print kvlab's version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("models", help="list the models kvlab can load, or prepare (convert) them ahead of time")
     p.add_argument(
