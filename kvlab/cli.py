@@ -3,19 +3,34 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import sys
+from pathlib import Path
 
 import torch
 
+from kvlab.errors import AuditTargetError, KvlabError
+from kvlab.files.identity import package_versions, show
+from kvlab.files.inspect import inspect_file, inspect_folder, load_into
+from kvlab.measure.audit.run import audit
+from kvlab.measure.audit.target import ENGINE, resolve
+from kvlab.measure.certify import certify
+from kvlab.measure.check import check_rows, format_rows
+from kvlab.measure.mismatch import FINETUNE_DEFAULTS, format_study, mismatch_study
+from kvlab.models.catalog import model_rows
+from kvlab.models.gguf import prepare as prepare_models
+from kvlab.models.loaded import DEFAULT_MODEL
+from kvlab.models.sources import load_model
+from kvlab.peers import kshift, summary
+from kvlab.peers.audit import audit_engine, llama_cpp_cache_reuse
+from kvlab.peers.prepare import prepare as prepare_peers
+from kvlab.sweep.study import load_study
+
 
 def _models(args) -> int:
-    from kvlab.models.catalog import model_rows
-
     if args.prepare is not None:
-        from kvlab.models.gguf import prepare
-
-        for name, folder in prepare(args.prepare or None).items():
+        for name, folder in prepare_models(args.prepare or None).items():
             print(f"{name}: ready in {folder}")
         return 0
     rows = model_rows()
@@ -37,9 +52,6 @@ def _models(args) -> int:
 
 
 def _check(args) -> int:
-    from kvlab.measure.check import check_rows, format_rows
-    from kvlab.models.sources import load_model
-
     torch.manual_seed(0)
     model = load_model(args.model)
     rows = check_rows(model)
@@ -55,24 +67,14 @@ def _check(args) -> int:
 
 
 def _certify(args) -> int:
-    from kvlab.measure.certify import certify
-    from kvlab.models.sources import load_model
-
     torch.manual_seed(0)
     targets = {"merge": args.merge, "shift": args.shift, "store": args.store}
     if args.engine_merge:
-        from kvlab.errors import AuditTargetError
-        from kvlab.measure.audit.target import ENGINE, resolve
-        from kvlab.peers.audit import audit_engine, llama_cpp_cache_reuse
-
         if any(targets.values()):
             raise AuditTargetError("--engine-merge is audited on its own: drop --merge, --shift and --store")
         spec = llama_cpp_cache_reuse if args.engine_merge == LLAMA_CPP else args.engine_merge
         cert = audit_engine(load_model(args.model), resolve(ENGINE, spec))
     elif any(targets.values()):
-        from kvlab.measure.audit.run import audit
-        from kvlab.measure.audit.target import resolve
-
         # Every target imported and its signature read before the model loads: a bad one costs nothing.
         resolved = {kind: resolve(kind, spec) for kind, spec in targets.items() if spec}
         cert = audit(load_model(args.model), **resolved)
@@ -85,9 +87,6 @@ def _certify(args) -> int:
 
 
 def _mismatch(args) -> int:
-    from kvlab.measure.mismatch import format_study, mismatch_study
-    from kvlab.models.sources import load_model
-
     results = mismatch_study(load_model(args.model), steps=args.steps)
     print(format_study(results))
     if args.verbose:
@@ -102,11 +101,6 @@ def _size(n: int) -> str:
 
 
 def _inspect(args) -> int:
-    from pathlib import Path
-
-    from kvlab.files.identity import show
-    from kvlab.files.inspect import inspect_file, load_into
-
     path = Path(args.file)
     if path.is_dir():
         return _inspect_folder(path, args.model)
@@ -183,10 +177,6 @@ def _printable(x) -> str:
 
 def _inspect_folder(folder, model_name: str | None) -> int:
     """List the cache files of a folder, whether each is intact, and the temporaries of saves that died."""
-    import datetime
-
-    from kvlab.files.inspect import inspect_folder
-
     found = inspect_folder(folder, model_name)
     model = found.model
     rows = []
@@ -242,32 +232,23 @@ def _inspect_folder(folder, model_name: str | None) -> int:
 
 
 def _peers(args) -> int:
-    from kvlab.models.sources import load_model
-    from kvlab.peers.summary import peer_table
-
     if args.prepare is not None:
-        from kvlab.peers.prepare import prepare
-
-        for name, files in prepare(args.prepare or None).items():
+        for name, files in prepare_peers(args.prepare or None).items():
             print(f"{name}: " + "; ".join(f"{kind} {path}" for kind, path in files.items()))
         return 0
     torch.manual_seed(0)
     model = load_model(args.model)
-    print(peer_table(model))
+    print(summary.peer_table(model))
     if args.quantised:
         # Opt-in: 2 x 512 tokens with f16, q8_0 and q4_0 K caches takes about 2 minutes on
         # SmolLM2 on 2 cores (3 prefills of 1024 tokens per type), more than the tables above.
-        from kvlab.peers.kshift import format_quantised, quantised_shift_table
-
         print(f"\nK-shift on a quantised K cache (V f16): next-token KL (nats), two fragments of {args.lengths} tokens")
-        print(format_quantised(quantised_shift_table(model, lengths=args.lengths)))
+        print(kshift.format_quantised(kshift.quantised_shift_table(model, lengths=args.lengths)))
     return 0
 
 
 def _report(args) -> int:
-    from pathlib import Path
-
-    from kvlab.lab.report import run_report
+    from kvlab.lab.report import run_report  # noqa: PLC0415 - it imports the lab extra: `kvlab report` only
 
     params = {name: value for name, value in (args.param or [])}
     report = run_report(
@@ -286,8 +267,7 @@ def _report(args) -> int:
 
 
 def _sweep(args) -> int:
-    from kvlab.sweep.run import plan, run_study
-    from kvlab.sweep.study import load_study
+    from kvlab.sweep.run import plan, run_study  # noqa: PLC0415 - runs on the lab extra (Dask): `kvlab sweep` only
 
     study = load_study(args.study, output=args.out, timeout=args.timeout)
     if args.dry_run:
@@ -322,8 +302,6 @@ class _Version(argparse.Action):
         super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        from kvlab.files.identity import package_versions
-
         version = package_versions("kvlab")["kvlab"]
         if version is None:
             parser.exit(1, "kvlab: not installed, so it has no version (pip install -e .)\n")
@@ -337,8 +315,6 @@ LLAMA_CPP = "llama.cpp"
 
 def parser() -> argparse.ArgumentParser:
     """The ``kvlab`` argument parser, every subcommand with its options."""
-    from kvlab.models.loaded import DEFAULT_MODEL
-
     parser = argparse.ArgumentParser(prog="kvlab", description="Is a merged or reloaded KV cache still right?")
     parser.add_argument("--version", action=_Version, help="print kvlab's version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -400,8 +376,6 @@ def parser() -> argparse.ArgumentParser:
         "--model", default=None, help="also load it into this model, refusing any fingerprint mismatch; " + MODEL_HELP
     )
     p.set_defaults(func=_inspect)
-    from kvlab.measure.mismatch import FINETUNE_DEFAULTS
-
     p = sub.add_parser("mismatch", help="KL and top-1 flips when each same-shape variant reads the model's cache")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--steps", type=int, default=FINETUNE_DEFAULTS["steps"], help="fine-tune steps")
@@ -466,8 +440,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run parsed arguments; a refusal (a :class:`kvlab.KvlabError`) is printed and exits 2."""
-    from kvlab.errors import KvlabError
-
     try:
         return args.func(args)
     except KvlabError as e:
