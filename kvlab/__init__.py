@@ -38,8 +38,9 @@ from kvlab.errors import (
     UnsupportedModelError,
     UnsupportedRopeError,
 )
+from kvlab.files.format import read_header, verify_file
 from kvlab.files.identity import STRICT_FIELDS, Difference, fingerprint
-from kvlab.files.io import load_cache, read_header, save_cache, verify_file
+from kvlab.files.io import load_cache, save_cache
 from kvlab.findings.evalset import EvalSet, Question, generate
 from kvlab.findings.qa import ask, passage_fragments
 from kvlab.findings.records import read_records, record

@@ -58,10 +58,6 @@ def default_mode() -> int:
     return 0o666 & ~_umask()
 
 
-def _temp_name(path: Path) -> Path:
-    return path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-
-
 def _hold(tmp: Path) -> bool:
     """Record ``tmp`` as this process's before it is created; ``False`` if another write here holds it.
 
@@ -138,6 +134,24 @@ def _fsync(path: Path) -> None:
 
 
 @contextlib.contextmanager
+def _temporary(path: Path) -> Iterator[Path]:
+    """A fresh temporary name for a write of ``path``, held as this process's while the write lasts.
+
+    ``path``'s folder is made if need be and the temporaries of dead writers there are removed
+    first (:func:`remove_stale`). Nothing is created under the name: the caller does that, exclusively.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale(path)
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"  # _TEMP
+    mine = _hold(tmp)
+    try:
+        yield tmp
+    finally:
+        if mine:
+            _OURS.discard(tmp.name)
+
+
+@contextlib.contextmanager
 def atomic_path(path: Path, *, mode: int | None = None, private_folder: bool = False) -> Iterator[Path]:
     """A temporary path for a writer that only takes a file name.
 
@@ -164,11 +178,7 @@ def atomic_path(path: Path, *, mode: int | None = None, private_folder: bool = F
         Where the body writes the file.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale(path)
-    tmp = _temp_name(path)
-    mine = _hold(tmp)
-    try:
+    with _temporary(path) as tmp:
         if private_folder:
             tmp.mkdir(mode=0o700)  # fails if the name exists: exclusive, as O_EXCL is for a file
         out = tmp / path.name if private_folder else tmp
@@ -186,9 +196,6 @@ def atomic_path(path: Path, *, mode: int | None = None, private_folder: bool = F
             if private_folder:
                 # Also takes what the body's library left there when it failed.
                 shutil.rmtree(tmp, ignore_errors=True)
-    finally:
-        if mine:
-            _OURS.discard(tmp.name)
     fsync_dir(path.parent)
 
 
@@ -213,30 +220,20 @@ def atomic_dir(path: Path) -> Iterator[Path]:
     folder kept: both hold the same result. On failure the temporary is removed.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale(path)
-    tmp = _temp_name(path)
-    mine = _hold(tmp)
-    try:
+    with _temporary(path) as tmp:
         tmp.mkdir()  # before the try below: a name another writer made is never removed
-    except BaseException:
-        if mine:
-            _OURS.discard(tmp.name)
-        raise
-    try:
-        yield tmp
-        for p in tmp.rglob("*"):
-            if p.is_file():
-                _fsync(p)
         try:
-            os.rename(tmp, path)
-        except OSError:
-            if not path.is_dir():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if mine:
-            _OURS.discard(tmp.name)
+            yield tmp
+            for p in tmp.rglob("*"):
+                if p.is_file():
+                    _fsync(p)
+            try:
+                os.rename(tmp, path)
+            except OSError:
+                if not path.is_dir():
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     fsync_dir(path.parent)
 
 

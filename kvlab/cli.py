@@ -3,20 +3,34 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
-import os
 import sys
+from pathlib import Path
 
 import torch
 
+from kvlab.errors import AuditTargetError, KvlabError
+from kvlab.files.identity import package_versions, show
+from kvlab.files.inspect import inspect_file, inspect_folder, load_into
+from kvlab.measure.audit.run import audit
+from kvlab.measure.audit.target import ENGINE, resolve
+from kvlab.measure.certify import certify
+from kvlab.measure.check import check_rows, format_rows
+from kvlab.measure.mismatch import FINETUNE_DEFAULTS, format_study, mismatch_study
+from kvlab.models.catalog import model_rows
+from kvlab.models.gguf import prepare as prepare_models
+from kvlab.models.loaded import DEFAULT_MODEL
+from kvlab.models.sources import load_model
+from kvlab.peers import kshift, summary
+from kvlab.peers.audit import audit_engine, llama_cpp_cache_reuse
+from kvlab.peers.prepare import prepare as prepare_peers
+from kvlab.sweep.study import load_study
+
 
 def _models(args) -> int:
-    from kvlab.models.catalog import model_rows
-
     if args.prepare is not None:
-        from kvlab.models.gguf import prepare
-
-        for name, folder in prepare(args.prepare or None).items():
+        for name, folder in prepare_models(args.prepare or None).items():
             print(f"{name}: ready in {folder}")
         return 0
     rows = model_rows()
@@ -38,9 +52,6 @@ def _models(args) -> int:
 
 
 def _check(args) -> int:
-    from kvlab.measure.check import check_rows, format_rows
-    from kvlab.models.sources import load_model
-
     torch.manual_seed(0)
     model = load_model(args.model)
     rows = check_rows(model)
@@ -56,24 +67,14 @@ def _check(args) -> int:
 
 
 def _certify(args) -> int:
-    from kvlab.measure.certify import certify
-    from kvlab.models.sources import load_model
-
     torch.manual_seed(0)
     targets = {"merge": args.merge, "shift": args.shift, "store": args.store}
     if args.engine_merge:
-        from kvlab.errors import AuditTargetError
-        from kvlab.measure.audit.target import ENGINE, resolve
-        from kvlab.peers.audit import audit_engine, llama_cpp_cache_reuse
-
         if any(targets.values()):
             raise AuditTargetError("--engine-merge is audited on its own: drop --merge, --shift and --store")
         spec = llama_cpp_cache_reuse if args.engine_merge == LLAMA_CPP else args.engine_merge
         cert = audit_engine(load_model(args.model), resolve(ENGINE, spec))
     elif any(targets.values()):
-        from kvlab.measure.audit.run import audit
-        from kvlab.measure.audit.target import resolve
-
         # Every target imported and its signature read before the model loads: a bad one costs nothing.
         resolved = {kind: resolve(kind, spec) for kind, spec in targets.items() if spec}
         cert = audit(load_model(args.model), **resolved)
@@ -86,9 +87,6 @@ def _certify(args) -> int:
 
 
 def _mismatch(args) -> int:
-    from kvlab.measure.mismatch import format_study, mismatch_study
-    from kvlab.models.sources import load_model
-
     results = mismatch_study(load_model(args.model), steps=args.steps)
     print(format_study(results))
     if args.verbose:
@@ -103,20 +101,13 @@ def _size(n: int) -> str:
 
 
 def _inspect(args) -> int:
-    from pathlib import Path
-
-    from kvlab.atomic import stale_temporaries
-    from kvlab.files.format import read_header, verify_file
-    from kvlab.files.identity import show
-    from kvlab.files.io import load_cache
-    from kvlab.models.sources import load_model
-
     path = Path(args.file)
     if path.is_dir():
         return _inspect_folder(path, args.model)
     # With a model, load_cache checks the tensor digests itself: read the file once.
-    h = read_header(path) if args.model else verify_file(path)
-    size = _size(path.stat().st_size)
+    found = inspect_file(path, verify=not args.model)
+    h = found.header
+    size = _size(found.size)
     if h is None:
         print(
             f"{path} ({size}): a safetensors file with no kvlab header: no producer fingerprint, no "
@@ -149,49 +140,27 @@ def _inspect(args) -> int:
     if text is not None:
         print(f"  text       {text[:70]!r}{' ...' if len(text) > 70 else ''}")
     if args.model:
-        model = load_model(args.model)
-        load_cache(path, model)  # a mismatch raises FingerprintMismatch, printed by main with every field
+        model = load_into(path, args.model)  # a mismatch raises FingerprintMismatch, printed by main with every field
     print(f"  tensors    all {2 * len(layers)} match their {h['tensor_digest']} digests")
     if args.model:
         print(f"  loads into {model.name}: yes, every strict fingerprint field matches")
-    stale = stale_temporaries(path.parent, path.name)
-    if stale:
+    if found.leftovers:
         print(
-            f"  left over  {len(stale)} temporary file(s) of a save that died: "
-            f"{', '.join(f'{_printable(p.name)} ({_size(_leftover_bytes(p))})' for p in stale)}; "
+            f"  left over  {len(found.leftovers)} temporary file(s) of a save that died: "
+            f"{', '.join(f'{_printable(t.path.name)} ({_size(t.size)})' for t in found.leftovers)}; "
             "the next save into this folder removes them"
         )
     return 0
 
 
-def _leftover_bytes(p) -> int:
-    """Bytes a leftover holds: a file's size, or the sum over a folder's files (links not followed)."""
-    try:
-        if not p.is_dir() or p.is_symlink():
-            return p.lstat().st_size
-        total = 0
-        for root, _, names in os.walk(p):
-            for n in names:
-                total += os.lstat(os.path.join(root, n)).st_size
-        return total
-    except OSError:  # removed meanwhile (a save of the same file)
-        return 0
-
-
 def _folder_holds(t) -> str:
     """What a private temporary folder of a save holds, the library's own temporary named as such."""
-    from kvlab.files.format import is_library_temporary
-
-    if not t.is_dir() or t.is_symlink():
-        return ""
-    try:
-        inside = sorted(t.iterdir())
-    except OSError:
+    if t.inside is None:
         return ""
     parts = [
-        f"{_printable(q.name)} ({_size(_leftover_bytes(q))}"
-        + (", the safetensors library's temporary)" if is_library_temporary(q) else ")")
-        for q in inside
+        f"{_printable(e.name)} ({_size(e.size)}"
+        + (", the safetensors library's temporary)" if e.library_temporary else ")")
+        for e in t.inside
     ]
     return f"; its folder holds {', '.join(parts)}" if parts else "; its folder is empty"
 
@@ -208,64 +177,42 @@ def _printable(x) -> str:
 
 def _inspect_folder(folder, model_name: str | None) -> int:
     """List the cache files of a folder, whether each is intact, and the temporaries of saves that died."""
-    import datetime
-
-    from kvlab.atomic import stale_temporaries, temporary_of
-    from kvlab.errors import CacheFileError, FingerprintMismatch
-    from kvlab.files.format import is_library_temporary, read_header, stray_library_temporaries, verify_file
-    from kvlab.files.io import load_cache
-    from kvlab.models.sources import load_model
-
-    model = load_model(model_name) if model_name else None
-    files = sorted(p for p in folder.iterdir() if not p.name.startswith(".") and p.is_file())
-    rows, other, trouble = [], 0, 0
-    for p in files:
-        try:
-            h = read_header(p) if model else verify_file(p)
-            if model and h is not None:
-                load_cache(p, model)
-        except (CacheFileError, FingerprintMismatch) as e:
-            # A file that is not a cache at all is not listed, unless its name says it should be one.
-            if isinstance(e, CacheFileError) and p.suffix not in (".kvcache", ".safetensors") and model is None:
-                other += 1
-                continue
-            why = str(e).removeprefix(str(p)).removeprefix(": ").strip()
-            rows.append((p, f"{type(e).__name__}: {_printable(why[:300])}"))
-            trouble += 1
-            continue
-        if h is None:
-            rows.append((p, "safetensors, no kvlab header: load_cache needs allow_unverified=True"))
-            trouble += 1
-            continue
-        made = f"{_printable(h['model_name'])}, {h['length']} tokens at {h['start']}, {len(h['layers'])} layers, {h['dtype']}"
-        rows.append((p, f"{made}: " + (f"intact, loads into {model.name}" if model else "intact")))
-    stale = stale_temporaries(folder)
-    strays = stray_library_temporaries(folder)
-    lookalikes = [p for p in sorted(folder.iterdir()) if is_library_temporary(p) and p not in strays and p.is_file()]
-    caches = sum(1 for _, what in rows if "intact" in what)
+    found = inspect_folder(folder, model_name)
+    model = found.model
+    rows = []
+    for f in found.files:
+        if f.error is not None:
+            what = f"{type(f.error).__name__}: {_printable(f.why[:300])}"
+        elif f.header is None:
+            what = "safetensors, no kvlab header: load_cache needs allow_unverified=True"
+        else:
+            h = f.header
+            made = f"{_printable(h['model_name'])}, {h['length']} tokens at {h['start']}, {len(h['layers'])} layers, {h['dtype']}"
+            what = f"{made}: " + (f"intact, loads into {model.name}" if model else "intact")
+        rows.append((f, what))
+    stale, strays = found.stale, found.strays
     print(
-        f"{folder}: {caches} intact cache file(s), {len(rows) - caches} with a problem, "
+        f"{folder}: {found.intact} intact cache file(s), {len(found.files) - found.intact} with a problem, "
         f"{len(stale)} temporary file(s) left by saves that died"
         + (f", {len(strays)} begun by the safetensors library for a kvlab save" if strays else "")
-        + (f", {other} other file(s)" if other else "")
+        + (f", {found.others} other file(s)" if found.others else "")
     )
-    width = max((len(p.name) for p, _ in rows), default=0)
-    for p, what in rows:
-        print(f"  {_printable(p.name):<{width}}  {_size(p.stat().st_size):>9}  {what}")
+    width = max((len(f.path.name) for f, _ in rows), default=0)
+    for f, what in rows:
+        print(f"  {_printable(f.path.name):<{width}}  {_size(f.size):>9}  {what}")
 
     def when(t) -> str:
-        try:
-            return datetime.datetime.fromtimestamp(t.lstat().st_mtime).strftime("%Y-%m-%d %H:%M")
-        except OSError:  # removed meanwhile
+        if t.mtime is None:  # removed meanwhile
             return "(gone)"
+        return datetime.datetime.fromtimestamp(t.mtime).strftime("%Y-%m-%d %H:%M")
 
     if stale:
         print("  left by saves that died (the next save into this folder removes them; or delete them):")
     for t in stale:
-        target, pid = temporary_of(t)
-        name = _printable(t.name) + ("/" if t.is_dir() and not t.is_symlink() else "")
+        target, pid = t.writer
+        name = _printable(t.path.name) + ("/" if t.is_folder else "")
         print(
-            f"    {name}  {_size(_leftover_bytes(t))}  {when(t)}: a save of {_printable(target)} by process {pid}, "
+            f"    {name}  {_size(t.size)}  {when(t)}: a save of {_printable(target)} by process {pid}, "
             f"now gone{_folder_holds(t)}"
         )
     if strays:
@@ -275,42 +222,33 @@ def _inspect_folder(folder, model_name: str | None) -> int:
             "runs; delete them when none does):"
         )
     for t in strays:
-        print(f"    {_printable(t.name)}  {_size(_leftover_bytes(t))}  {when(t)}")
-    if lookalikes:
+        print(f"    {_printable(t.path.name)}  {_size(t.size)}  {when(t)}")
+    if found.lookalikes:
         # An earlier kvlab's save killed before the library wrote its header leaves such a file
         # too, but so may any program built on the same crate: listed, not counted.
-        shown = ", ".join(f"{_printable(t.name)} ({_size(_leftover_bytes(t))})" for t in lookalikes)
+        shown = ", ".join(f"{_printable(t.path.name)} ({_size(t.size)})" for t in found.lookalikes)
         print(f"  named as the safetensors library names its temporaries, but with no kvlab header: {shown}")
-    return 1 if trouble or stale or strays else 0
+    return 0 if found.clean else 1
 
 
 def _peers(args) -> int:
-    from kvlab.models.sources import load_model
-    from kvlab.peers.summary import peer_table
-
     if args.prepare is not None:
-        from kvlab.peers.prepare import prepare
-
-        for name, files in prepare(args.prepare or None).items():
+        for name, files in prepare_peers(args.prepare or None).items():
             print(f"{name}: " + "; ".join(f"{kind} {path}" for kind, path in files.items()))
         return 0
     torch.manual_seed(0)
     model = load_model(args.model)
-    print(peer_table(model))
+    print(summary.peer_table(model))
     if args.quantised:
         # Opt-in: 2 x 512 tokens with f16, q8_0 and q4_0 K caches takes about 2 minutes on
         # SmolLM2 on 2 cores (3 prefills of 1024 tokens per type), more than the tables above.
-        from kvlab.peers.kshift import format_quantised, quantised_shift_table
-
         print(f"\nK-shift on a quantised K cache (V f16): next-token KL (nats), two fragments of {args.lengths} tokens")
-        print(format_quantised(quantised_shift_table(model, lengths=args.lengths)))
+        print(kshift.format_quantised(kshift.quantised_shift_table(model, lengths=args.lengths)))
     return 0
 
 
 def _report(args) -> int:
-    from pathlib import Path
-
-    from kvlab.lab.report import run_report
+    from kvlab.lab.report import run_report  # noqa: PLC0415 - it imports the lab extra: `kvlab report` only
 
     params = {name: value for name, value in (args.param or [])}
     report = run_report(
@@ -329,8 +267,7 @@ def _report(args) -> int:
 
 
 def _sweep(args) -> int:
-    from kvlab.sweep.run import plan, run_study
-    from kvlab.sweep.study import load_study
+    from kvlab.sweep.run import plan, run_study  # noqa: PLC0415 - runs on the lab extra (Dask): `kvlab sweep` only
 
     study = load_study(args.study, output=args.out, timeout=args.timeout)
     if args.dry_run:
@@ -357,15 +294,29 @@ def _sweep(args) -> int:
 
 MODEL_HELP = "a kvlab model name (kvlab models), a Hugging Face model folder or a .gguf file"
 
+
+class _Version(argparse.Action):
+    """``--version``: print kvlab's installed version and exit (read only when asked: it costs a metadata read)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        version = package_versions("kvlab")["kvlab"]
+        if version is None:
+            parser.exit(1, "kvlab: not installed, so it has no version (pip install -e .)\n")
+        print(f"kvlab {version}")
+        parser.exit()
+
+
 #: ``--engine-merge`` with no target: llama.cpp's own cache reuse.
 LLAMA_CPP = "llama.cpp"
 
 
 def parser() -> argparse.ArgumentParser:
     """The ``kvlab`` argument parser, every subcommand with its options."""
-    from kvlab.models.loaded import DEFAULT_MODEL
-
     parser = argparse.ArgumentParser(prog="kvlab", description="Is a merged or reloaded KV cache still right?")
+    parser.add_argument("--version", action=_Version, help="print kvlab's version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("models", help="list the models kvlab can load, or prepare (convert) them ahead of time")
     p.add_argument(
@@ -425,8 +376,6 @@ def parser() -> argparse.ArgumentParser:
         "--model", default=None, help="also load it into this model, refusing any fingerprint mismatch; " + MODEL_HELP
     )
     p.set_defaults(func=_inspect)
-    from kvlab.measure.mismatch import FINETUNE_DEFAULTS
-
     p = sub.add_parser("mismatch", help="KL and top-1 flips when each same-shape variant reads the model's cache")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--steps", type=int, default=FINETUNE_DEFAULTS["steps"], help="fine-tune steps")
@@ -491,8 +440,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run parsed arguments; a refusal (a :class:`kvlab.KvlabError`) is printed and exits 2."""
-    from kvlab.errors import KvlabError
-
     try:
         return args.func(args)
     except KvlabError as e:

@@ -4,24 +4,20 @@ Tensors ``layers.<i>.keys`` / ``layers.<i>.values`` ``[batch, kv_heads, kept, he
 ``__metadata__`` holds the kvlab header as JSON (``kvlab``, its fields described by
 ``header.schema.json``) and that text's sha256 (``kvlab_sha256``). The safetensors library
 writes and parses the container; kvlab refuses pickles and other formats before it does,
-checks the header (its schema, then the fields against each other and against the tensors)
-and the XXH3-128 digest of every tensor. Why it is built so: ``docs/cache-file-format.md``.
+checks the header (its schema and its fields against each other in :mod:`kvlab.files.header`;
+here, against the tensors) and the XXH3-128 digest of every tensor. Why it is built so:
+``docs/cache-file-format.md``.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
-import math
 import os
 import re
 import stat
-import sys
 import zipfile
-from collections.abc import Callable
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
 import torch
@@ -31,19 +27,25 @@ from safetensors.torch import save_file
 
 from kvlab.atomic import atomic_path
 from kvlab.errors import CacheFileError
+from kvlab.files.header import (
+    MAX_LAYERS,
+    TENSORS_RULE,
+    brief,
+    header_error,
+    listed,
+    parse_header,
+    validate_header,
+)
 from kvlab.files.identity import tensor_bytes
 
-FORMAT = "kvlab-kv-cache"
-FORMAT_VERSION = 2
-#: The digest of each tensor's bytes (see the module docstring for why not sha256).
+#: The digest of each tensor's bytes (why not sha256: ``docs/cache-file-format.md``).
 TENSOR_DIGEST = "xxh3-128"
-DIGEST_HEX = 32
 #: Headers longer than this are refused before being parsed (safetensors itself allows 100 MB).
 MAX_HEADER_BYTES = 64 << 20
-#: A header may also be at most this plus an eighth of the tensor data it describes. Parsed,
-#: JSON takes up to ~20x its size in Python objects ("[[],[]...]"); a header that is small
-#: beside its data keeps a read within a few times the file's size. A real cache's header is
-#: ~1-2 kB plus ~10-60 bytes a token, against >= 2 kB of keys and values a token.
+#: A header may also be at most this plus an eighth of the tensor data it describes. Parsed
+#: JSON takes many times its size in Python objects; a header that is small beside its data
+#: keeps a read within a few times the file's size, and a real cache's header is far smaller
+#: than its keys and values (the figures: ``docs/cache-file-format.md``, "Bounds on work").
 HEADER_FLOOR = 128 << 10
 
 
@@ -56,8 +58,6 @@ def header_allowance(data_bytes: int) -> int:
 ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 ST_NAME = {v: k for k, v in ST_DTYPES.items()}
 TORCH_DTYPES = {str(v).removeprefix("torch."): v for v in ST_DTYPES.values()}
-#: Layers a header may list (header.schema.json's maxItems): a bound on the time its checks take.
-MAX_LAYERS = 1024
 
 
 def tensor_names(n_layers: int) -> list[str]:
@@ -353,7 +353,7 @@ def _explain(e: BaseException) -> str:
     msg = str(e) or type(e).__name__
     low = msg.lower()
     what = next((ours for key, ours in _LIBRARY_ERRORS if key in low), "not a valid safetensors container")
-    return f"{what} (safetensors: {_short(msg, 200)})"
+    return f"{what} (safetensors: {brief(msg, 200)})"
 
 
 def refuse_foreign(head: bytes, path: Path) -> None:
@@ -392,52 +392,6 @@ def _pickle_hint(head: bytes, tail: bytes) -> str:
     return ""
 
 
-class _Bad(Exception):
-    pass
-
-
-def _loads(text: str, what: str):
-    """Strict JSON: no duplicate keys, no NaN or infinities, no constants JSON lacks."""
-
-    def pairs(items):
-        d = {}
-        for k, v in items:
-            if k in d:
-                raise _Bad(f"{what} has the key {k!r} twice")
-            d[k] = v
-        return d
-
-    def constant(c):
-        raise _Bad(f"{what} contains {c}, which is not JSON")
-
-    def number(s):
-        x = float(s)
-        if x != x or x in (float("inf"), float("-inf")):
-            raise _Bad(f"{what} contains the number {s[:20]}, outside the float range")
-        return x
-
-    try:
-        return json.loads(text, object_pairs_hook=pairs, parse_constant=constant, parse_float=number)
-    except _Bad:
-        raise
-    except json.JSONDecodeError as e:
-        raise _Bad(f"{what} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
-    except RecursionError:
-        raise _Bad(f"{what} is nested too deeply to be a cache header") from None
-    except ValueError as e:  # e.g. an integer with more digits than Python converts
-        raise _Bad(f"{what} is not valid JSON: {e}") from None
-
-
-def _short(x, limit: int = 80) -> str:
-    s = json.dumps(x, default=str) if not isinstance(x, str) else repr(x)
-    return s if len(s) <= limit else s[: limit - 1] + "…"
-
-
-def _listed(names, limit: int = 6) -> str:
-    names = list(names)
-    return ", ".join(names[:limit]) + (f" ... ({len(names)} in all)" if len(names) > limit else "")
-
-
 def kvlab_header(meta: dict | None, path: Path) -> dict | None:
     """The verified kvlab header of a container's metadata, or ``None`` when it has none."""
     meta = meta or {}
@@ -446,263 +400,20 @@ def kvlab_header(meta: dict | None, path: Path) -> dict | None:
         return None
     if ours != ["kvlab", "kvlab_sha256"] or len(meta) != 2:
         raise CacheFileError(
-            f"{path}: the metadata must hold exactly kvlab and kvlab_sha256, holds {_listed(map(repr, sorted(meta)))}"
+            f"{path}: the metadata must hold exactly kvlab and kvlab_sha256, holds {listed(map(repr, sorted(meta)))}"
         )
     text = meta["kvlab"]
     if hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest() != meta["kvlab_sha256"]:
         raise CacheFileError(
             f"{path}: the kvlab header does not match its sha256: it was corrupted or edited after saving"
         )
-    try:
-        h = _loads(text, "the kvlab header")
-    except _Bad as e:
-        raise CacheFileError(f"{path}: {e}") from None
-    return validate_header(h, path)
-
-
-# --------------------------------------------------------------------------- the header's checks
-
-
-@functools.cache
-def header_schema() -> dict:
-    """The JSON Schema of a kvlab header (``kvlab/files/header.schema.json``)."""
-    return json.loads(resources.files("kvlab.files").joinpath("header.schema.json").read_text("utf-8"))
-
-
-def _import_jsonschema():
-    if "jsonschema" in sys.modules or "rfc3987_syntax" in sys.modules:
-        import jsonschema
-
-        return jsonschema
-    # jsonschema imports rfc3987_syntax where it is installed (Jupyter's extras install it),
-    # for its "iri" format, and that builds a Lark parser on import: 1 to 3 s here, longer than
-    # everything else a cache read costs. kvlab checks no formats, so the import is held back
-    # while jsonschema loads (it then only lacks the "iri" format checker) and allowed after.
-    sys.modules["rfc3987_syntax"] = None
-    try:
-        import jsonschema
-    finally:
-        del sys.modules["rfc3987_syntax"]
-    return jsonschema
-
-
-@functools.cache
-def _validator():
-    jsonschema = _import_jsonschema()
-    Draft202012Validator, validators = jsonschema.Draft202012Validator, jsonschema.validators
-
-    # JSON Schema calls 1.0 an integer; a header is written by json.dumps, so a count or a
-    # shape written with a fraction, or as true, is not kvlab's.
-    types = Draft202012Validator.TYPE_CHECKER.redefine(
-        "integer", lambda _, x: isinstance(x, int) and not isinstance(x, bool)
-    )
-    generic = Draft202012Validator.VALIDATORS
-
-    # jsonschema spends ~15 us on each value it descends into: 2 s for 100k token ids, 10 ms
-    # for a 30-layer header. The three keywords below find the first failing element in a
-    # loop (a bounded integer or string is checked in plain Python; of equal layers only the
-    # first is descended into) and hand only that one to jsonschema, for its error. The first
-    # error, all kvlab reports, is the same.
-    def items(validator, sub, instance, schema):
-        if not isinstance(instance, list) or "prefixItems" in schema:
-            yield from generic["items"](validator, sub, instance, schema)
-            return
-        ok, seen = _predicate(sub), set()
-        for i, x in enumerate(instance):
-            if ok is not None:
-                if ok(x):
-                    continue
-            else:
-                key = json.dumps(x, sort_keys=True)
-                if key in seen:
-                    continue
-                seen.add(key)
-            yield from validator.descend(x, sub, path=i)
-
-    def additional(validator, sub, instance, schema):
-        ok = _predicate(sub)
-        if ok is None or not isinstance(instance, dict) or {"properties", "patternProperties"} & set(schema):
-            yield from generic["additionalProperties"](validator, sub, instance, schema)
-            return
-        for k, x in instance.items():
-            if not ok(x):
-                yield from validator.descend(x, sub, path=k)
-
-    cls = validators.extend(
-        Draft202012Validator, validators={"items": items, "additionalProperties": additional}, type_checker=types
-    )
-    schema = header_schema()
-    return cls(_inline_refs(schema, schema["$defs"]))
-
-
-def _inline_refs(node, defs: dict):
-    """``node`` with each ``{"$ref": "#/$defs/x", ...}`` replaced by ``{"allOf": [x], ...}``: a
-    reference costs jsonschema a lookup on every use (a third of a header's checking time)."""
-    if isinstance(node, list):
-        return [_inline_refs(x, defs) for x in node]
-    if not isinstance(node, dict):
-        return node
-    out = {k: _inline_refs(v, defs) for k, v in node.items() if k != "$defs"}
-    ref = out.pop("$ref", None)
-    if ref is None:
-        return out
-    target = _inline_refs(defs[ref.removeprefix("#/$defs/")], defs)
-    return {"allOf": [target], **out} if out else target
-
-
-def _predicate(sub) -> Callable[[object], bool] | None:
-    """A plain-Python test equal to schema ``sub`` where it only bounds an integer or a string."""
-    if not isinstance(sub, dict):
-        return None
-    if sub.get("type") == "integer" and set(sub) <= {"type", "minimum", "exclusiveMaximum"}:
-        lo, hi = sub.get("minimum", -math.inf), sub.get("exclusiveMaximum", math.inf)
-        return lambda x: type(x) is int and lo <= x < hi
-    if sub.get("type") == "string" and set(sub) <= {"type", "minLength", "maxLength", "pattern"}:
-        lo, hi, rx = sub.get("minLength", 0), sub.get("maxLength", math.inf), re.compile(sub.get("pattern", ""))
-        return lambda x: type(x) is str and lo <= len(x) <= hi and rx.search(x) is not None
-    return None
-
-
-_JSON_TYPES = ((type(None), "null"), (bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"))
-
-
-def _json_type(x) -> str:
-    return next((name for t, name in _JSON_TYPES if isinstance(x, t)), "array" if isinstance(x, list) else "object")
-
-
-def _kept(L: dict, length: int) -> int:
-    """Tokens a layer of a ``length``-token cache keeps: a sliding window keeps its last ``window - 1``."""
-    return min(length, L["window"] - 1) if L["type"] == "sliding_attention" else length
-
-
-def _expected_kept(L: dict, length) -> int | None:
-    """:func:`_kept`, or ``None`` while the fields it needs are themselves wrong."""
-    kind, window = L.get("type"), L.get("window")
-    if type(length) is not int or length < 1:
-        return None
-    if kind == "full_attention" and window is None:
-        return length
-    if kind == "sliding_attention" and type(window) is int and window >= 2:
-        return min(length, window - 1)
-    return None
-
-
-#: kvlab's message for the first schema error at each place in the header ("*": any index or
-#: tensor name). A window's message depends on its layer's type.
-_MESSAGES = {
-    "format": "format is {got}, expected 'kvlab-kv-cache'",
-    "format_version": "format version {got} is not supported{newer}; this kvlab reads version 2",
-    "producer": "producer must be a fingerprint object or null, is a JSON {type}",
-    "model_name": "model_name must be a string, is {got}",
-    "start": "start must be an integer >= 0 and < 2^53, is {got}",
-    "length": "length must be an integer >= 1 and < 2^53, is {got}",
-    "dtype": "dtype {got} is not one of float64, float32, float16, bfloat16",
-    "layers": "layers must be a non-empty list of at most 1024 layers, is {got}",
-    "layers/*": "layer {i} must have exactly keys, kept, type, values, window, has {fields}",
-    "layers/*/type": "layer {i} has unknown type {got}",
-    "layers/*/window": {
-        "sliding_attention": "layer {i} is sliding but its window is {window}",
-        "full_attention": "layer {i} is full attention but has a window {window}",
-    },
-    "layers/*/kept": "layer {i} keeps {got} tokens; a {kind} layer of a {length}-token cache keeps {expect}",
-    "layers/*/keys": "layer {i} keys shape {keys} is not [batch, kv_heads, {expect}, head_dim]",
-    "layers/*/values": "layer {i} values shape {values} is not [batch, kv_heads, {expect}, head_dim]",
-    "token_ids": "token_ids must be null or a list of integers in [0, 2^31), is a JSON {type}",
-    "token_ids/*": "token_ids must be null or a list of integers in [0, 2^31); token_ids[{i}] is {got}",
-    "text": "text must be null or a string, is a JSON {type}",
-    "tensor_digest": "tensor_digest {got} is not supported; this kvlab reads 'xxh3-128'",
-    "tensors": "tensors must map exactly {names}, ... to their xxh3-128 digests",
-    "tensors/*": "every tensor digest must be 32 lowercase hex digits; {name} has {got}",
-    "content_digest": "content_digest must be 32 lowercase hex digits, is {got}",
-}
-
-
-def _schema_problem(error, h) -> str:
-    """jsonschema's first error as kvlab's message: the field, what it holds, what it must hold."""
-    where, got = list(error.absolute_path), error.instance
-    if not where:  # the header itself: not an object, or fields missing or unknown
-        if error.validator == "type":
-            return f"is a JSON {_json_type(h)}, not an object"
-        fields = header_schema()["required"]
-        missing = [k for k in fields if k not in h]
-        extra = sorted(k for k in h if k not in fields)
-        return "; ".join(
-            ([f"missing field(s) {', '.join(missing)}"] if missing else [])
-            + ([f"unknown field(s) {_listed(map(repr, extra))}"] if extra else [])
-        )
-    key = "/".join("*" if n == 1 else str(k) for n, k in enumerate(where[:3]))
-    v = {"got": _short(got), "type": _json_type(got), "newer": "", "names": _tensor_pair(h)}
-    if len(where) > 1:
-        v.update(i=where[1], name=repr(where[1]))
-    if where[0] == "format_version" and type(got) is int and got > FORMAT_VERSION:
-        v["newer"] = " (written by a newer kvlab)"
-    template = _MESSAGES.get(key)
-    if where[0] == "layers" and len(where) > 1:
-        L, length = h["layers"][where[1]], h.get("length")
-        expect = _expected_kept(L, length) if isinstance(L, dict) else None
-        v["fields"] = _short(sorted(L)) if isinstance(L, dict) else f"a JSON {_json_type(L)}"
-        if isinstance(L, dict):
-            v.update({k: _short(L.get(k)) for k in ("window", "keys", "values")}, kind=L.get("type"))
-        v.update(length=length, expect="kept" if expect is None else expect)
-        if isinstance(template, dict):
-            template = template.get(L.get("type"), template["full_attention"])
-    if template is None:  # a place the table does not name: still the path and jsonschema's words
-        return f"{'/'.join(map(str, where))}: {_short(error.message, 200)}"
-    return template.format(**v)
-
-
-def _tensor_pair(h) -> str:
-    n = len(h["layers"]) if isinstance(h.get("layers"), list) else 1
-    return ", ".join(tensor_names(max(n, 1))[:2])
-
-
-def validate_header(h, path: Path) -> dict:
-    """Check a kvlab header against its schema, then its fields against each other.
-
-    Returns
-    -------
-    dict
-        ``h``, unchanged.
-
-    Raises
-    ------
-    CacheFileError
-        Naming the file, the first field that is wrong, what it holds and what it must hold.
-    """
-
-    def bad(msg):
-        return CacheFileError(f"{path}: kvlab header: {msg}")
-
-    try:
-        error = next(_validator().iter_errors(h), None)
-        if error is not None:
-            raise bad(_schema_problem(error, h))
-    except RecursionError:  # a value nested so deeply that jsonschema (or repr) cannot walk it
-        raise bad("a value is nested too deeply to be a cache header") from None
-    # What the schema cannot say: the fields' agreement with each other.
-    length, layers = h["length"], h["layers"]
-    batch = layers[0]["keys"][0]
-    for i, L in enumerate(layers):
-        expect = _kept(L, length)
-        if L["kept"] != expect:
-            raise bad(
-                f"layer {i} keeps {L['kept']} tokens; a {L['type']} layer of a {length}-token cache keeps {expect}"
-            )
-        for what in ("keys", "values"):
-            if L[what][2] != expect:
-                raise bad(f"layer {i} {what} shape {L[what]} is not [batch, kv_heads, {expect}, head_dim]")
-        if L["keys"][:2] != L["values"][:2]:
-            raise bad(f"layer {i}: keys {L['keys']} and values {L['values']} disagree on batch or heads")
-        if L["keys"][0] != batch:
-            raise bad(f"layer {i} has batch {L['keys'][0]}, layer 0 has {batch}")
-    ids = h["token_ids"]
-    if ids is not None and len(ids) != length:
-        raise bad(f"{len(ids)} token ids for a cache of {length} tokens")
-    names = tensor_names(len(layers))
+    h = validate_header(parse_header(text, path), path)
+    # What only the container's naming can check: the tensors the header lists, and their joint digest.
+    names = tensor_names(len(h["layers"]))
     if sorted(h["tensors"]) != sorted(names):
-        raise bad(_MESSAGES["tensors"].format(names=_tensor_pair(h)))
+        raise header_error(path, TENSORS_RULE)
     if h["content_digest"] != content_digest(names, h["tensors"]):
-        raise bad("content_digest does not match the tensor digests")
+        raise header_error(path, "content_digest does not match the tensor digests")
     return h
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.metadata
 import json
 import os
 import threading
@@ -348,13 +349,11 @@ def package_versions(*dists: str) -> dict:
 
     importlib.metadata reads files on every call (about 10 ms); versions do not change in a process.
     """
-    import importlib.metadata as md
-
     out = {}
     for dist in dists:
         try:
-            out[dist] = md.version(dist)
-        except md.PackageNotFoundError:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
             out[dist] = None
     return out
 

@@ -1,9 +1,9 @@
 """Cache files against a model: save a Fragment with its producer's fingerprint, load it into a reader.
 
-The format itself is :mod:`kvlab.files.format`. Before saving, the cache is checked against
-the model that made it; before loading, the file against the model that reads it
-(fingerprint, geometry, positions, vocabulary), then every tensor's digest as it lands in
-the new cache. Nothing here unpickles.
+The format itself is :mod:`kvlab.files.format` (the container) and :mod:`kvlab.files.header`.
+Before saving, the cache is checked against the model that made it; before loading, the file
+against the model that reads it (fingerprint, geometry, positions, vocabulary), then every
+tensor's digest as it lands in the new cache. Nothing here unpickles.
 """
 
 from __future__ import annotations
@@ -18,9 +18,6 @@ from transformers import DynamicCache
 from kvlab.cache.fragments import Fragment, new_cache, set_length
 from kvlab.errors import CacheFileError, CacheFileWarning, FingerprintMismatch
 from kvlab.files.format import (
-    FORMAT,
-    FORMAT_VERSION,
-    MAX_HEADER_BYTES,
     ST_DTYPES,
     TENSOR_DIGEST,
     Container,
@@ -29,29 +26,15 @@ from kvlab.files.format import (
     content_digest,
     digest_error,
     open_container,
-    read_header,
     tensor_digest,
     tensor_names,
-    verify_file,
     write_container,
 )
+from kvlab.files.header import FORMAT, FORMAT_VERSION
 from kvlab.files.identity import Difference, compare, fingerprint
 from kvlab.models.loaded import LoadedModel
 
-__all__ = [
-    "CacheFileWarning",
-    "FORMAT",
-    "FORMAT_VERSION",
-    "MAX_HEADER_BYTES",
-    "TENSOR_DIGEST",
-    "content_digest",
-    "load_cache",
-    "load_with_differences",
-    "read_header",
-    "save_cache",
-    "tensor_digest",
-    "verify_file",
-]
+__all__ = ["load_cache", "load_with_differences", "save_cache"]
 
 
 # --------------------------------------------------------------------------- saving
@@ -298,8 +281,8 @@ def _build(box: Container, layout: Layout, model: LoadedModel) -> Fragment:
     # LoadedModel.dtype/device walk the parameters; read them once, not per tensor.
     dtype, device = model.dtype, model.device
     same_bytes = layout.dtype == dtype and device.type == "cpu"
-    # Hashed inline: handing each tensor to a worker thread measured slower (17 -> 20 ms for
-    # 94 MB) than hashing it here while the fresh copy is still in the CPU's caches.
+    # Hashed inline, while the fresh copy is still in the CPU's caches: a worker thread per
+    # tensor measured slower (benchmarks/README.md, "Cache files").
     bad: list[str] = []
 
     def check(name: str, t: torch.Tensor) -> None:

@@ -20,6 +20,7 @@ import re
 import string
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from importlib import resources
 
 from kvlab.errors import EvalSetError
 
@@ -256,8 +257,6 @@ def _interleave(facts: list[str], fill: list[str]) -> list[str]:
 
 def shipped_passages() -> list[str]:
     """The three hand-written passages in ``kvlab/data/passages.txt``, each ending in a space."""
-    from importlib import resources
-
     text = resources.files("kvlab").joinpath("data/passages.txt").read_text()
     return [p.strip() + " " for p in text.split("\n\n") if p.strip()]
 

@@ -8,6 +8,10 @@ from __future__ import annotations
 import random
 import warnings
 
+import numpy as np
+import torch
+from transformers.utils import logging as tf_logging
+
 #: Warnings the notebooks emit that are noise, not findings, as ``(message regex, category,
 #: module regex)`` for :func:`warnings.filterwarnings`: the one place a notebook filter goes,
 #: and only ever by message and category, so every other warning (kvlab's own
@@ -33,10 +37,6 @@ def setup(seed: int = 0) -> None:
     seed : int
         The notebook's ``seed`` parameter.
     """
-    import numpy as np
-    import torch
-    from transformers.utils import logging as tf_logging
-
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)

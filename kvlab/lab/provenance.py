@@ -1,6 +1,7 @@
 """Who and what produced a run: the model's weights digest and the library versions, for reports and sweeps."""
 
-from kvlab.files.identity import package_versions
+from kvlab.files.identity import fingerprint, package_versions
+from kvlab.models.sources import load_model
 
 _DIGESTS: dict[str, tuple[str | None, str | None]] = {}
 
@@ -11,10 +12,7 @@ def model_digest(model_name) -> tuple[str | None, str | None]:
         return None, "no model_name parameter"
     if model_name not in _DIGESTS:
         try:
-            from kvlab.files.identity import fingerprint
-            from kvlab.models.sources import load_model  # catalogue names and paths alike
-
-            model = load_model(model_name)
+            model = load_model(model_name)  # catalogue names and paths alike
             _DIGESTS[model_name] = (fingerprint(model, weights=True)["weights_sha256"], None)
             del model
         except Exception as e:  # noqa: BLE001  a point's record still gets written; the error says why

@@ -15,12 +15,15 @@ import datetime
 import functools
 import io
 import json
+import multiprocessing
 import os
 import platform
 import re
 import subprocess
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +34,8 @@ from kvlab.atomic import atomic_path, atomic_write_text
 from kvlab.errors import ReportError
 from kvlab.lab.kernel import kernel_name
 from kvlab.lab.pages import render
+from kvlab.lab.provenance import model_digest, versions
+from kvlab.models.sources import looks_like_path
 
 NOTEBOOK_DIR = Path(__file__).resolve().parents[2] / "notebooks"
 #: Width in pixels of the figure thumbnails on the index page.
@@ -102,8 +107,6 @@ def plan(only: list[str] | None, params: dict[str, str], model: str | None) -> l
         raise ReportError(f"unknown notebook(s) {', '.join(unknown)}; available: {', '.join(available)}")
     given = {k: _coerce(v) for k, v in params.items()}
     if model is not None:
-        from kvlab.models.sources import looks_like_path
-
         # Notebooks run with notebooks/ as working directory: a relative path must not change meaning there.
         given["model_name"] = str(Path(model).expanduser().resolve()) if looks_like_path(model) else model
     out = []
@@ -205,8 +208,6 @@ def _cpu() -> str:
 
 def run_metadata(models: list[str]) -> dict:
     """Who and what produced a report: models with their weights digests, versions, commit, CPU, date."""
-    from kvlab.lab.provenance import model_digest, versions
-
     digests = {}
     for m in models:
         digest, error = model_digest(m)
@@ -298,10 +299,6 @@ def _run_all(
     jobs: list[tuple[str, Path, dict]], out: Path, kernel: str, n_jobs: int, bar, no_input: bool
 ) -> dict[str, NotebookRun]:
     """Execute every notebook and write its page, ``n_jobs`` at a time: name -> its run."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor, as_completed
-    from concurrent.futures.process import BrokenProcessPool
-
     done: dict[str, NotebookRun] = {}
     if n_jobs == 1:
         for name, src, given in jobs:

@@ -84,17 +84,14 @@ def max_diff(diffs: list[LayerDiff], which: str = "k", positions: slice | None =
 
 
 # Pairs whose norm (in either cache) is below this fraction of the layer's RMS pair norm are
-# masked. Their angle is set by rounding, not by rotation: the two caches agree element-wise
-# only to ~1e-6 of the layer's largest key (measured, both real models), which at 1e-3 of the
-# RMS norm already moves the angle by ~1e-2 rad. Exact zeros (Gemma 3 has whole zero pairs in
-# layers 5, 12, 14 and 17) have no angle at all: atan2 gives 0 or pi there by the signs of the zeros.
+# masked: their angle is set by rounding, not by rotation, and exact zeros have no angle at
+# all (atan2 gives 0 or pi there by the signs of the zeros). The measurements behind the
+# value: docs/merging.md, "The rounding floor of a phase comparison".
 MIN_PAIR_NORM = 1e-3
 
 # Relative element-wise agreement of two fp32 forward passes of the same tokens at different
-# absolute positions: measured max|K_rerotated - K_phase_ref| / max|K_ref| over all layers is
-# 1.6e-6 (SmolLM2), 4.2e-6 (Gemma 3), up to 6.4e-6 (tiny models), four fragments of ~30 tokens.
-# The angle bound built on it (LayerPhase.resolution) is at most 0.27 of its value for rerotate
-# on all of these, and ~1e5 times it for a naive merge.
+# absolute positions, with a margin over what the models reach: the noise the angle bound
+# (LayerPhase.resolution) allows. Measured in docs/merging.md (same section).
 REL_KEY_NOISE = 1e-5
 
 # fp32 unit roundoff: HF computes each rotary angle as float32(position * inv_freq), which is

@@ -42,7 +42,7 @@ def _row(name: str, config, cached: str) -> dict:
 
 
 def model_rows() -> list[dict]:
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # noqa: PLC0415 - transformers' Auto classes load its model registry, slowly: on first use, not with kvlab
 
     rows = []
     for name, spec in GGUF_MODELS.items():

@@ -11,6 +11,7 @@ declares for it.
 from __future__ import annotations
 
 import torch
+from transformers import DynamicCache
 
 from kvlab.errors import UnsupportedModelError, UnsupportedRopeError
 from kvlab.models.layout import find_rotary_module, layer_ropes, layer_types, nope_layers
@@ -20,7 +21,7 @@ from kvlab.models.rope import rope_problem, rotate_keys
 
 def is_causal_class(class_name: str) -> bool:
     """Whether a transformers model class name is a causal LM (one with a next-token head)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # noqa: PLC0415 - transformers' Auto classes load its model registry, slowly: on first use, not with kvlab
 
     names = {c for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() for c in ([v] if isinstance(v, str) else v)}
     return class_name in names or class_name.endswith(("ForCausalLM", "LMHeadModel"))
@@ -33,7 +34,7 @@ def check_config(config, what: str) -> None:
     for, checkpoints whose weights are for another head, and rope schedules kvlab does not
     know (:func:`kvlab.models.rope.rope_problem`).
     """
-    from transformers.models.auto.modeling_auto import (
+    from transformers.models.auto.modeling_auto import (  # noqa: PLC0415 - transformers' Auto classes load its model registry, slowly: on first use, not with kvlab
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
         MODEL_FOR_MASKED_LM_MAPPING_NAMES,
     )
@@ -111,8 +112,6 @@ def check_cache_layers(config, what: str) -> None:
     a merge that turned only the attention layers would hand back a state that belongs to no
     prefill of the merged text. Read from the cache transformers itself builds for the config.
     """
-    from transformers import DynamicCache
-
     try:
         layers = DynamicCache(config=config).layers
     except (ValueError, TypeError, AttributeError, KeyError) as e:
@@ -230,8 +229,6 @@ def _declared(rope) -> str:
 
 def _one_token_cache(loaded: LoadedModel, ids: torch.Tensor, position: int):
     """The cache of ``ids`` (one token) prefilled alone at ``position``, straight through transformers."""
-    from transformers import DynamicCache
-
     cache = DynamicCache(config=loaded.config)
     positions = torch.tensor([[position]], device=loaded.device)
     loaded.model(
@@ -262,7 +259,7 @@ def _no_rope_reason(model: torch.nn.Module, what: str) -> str:
 
 def skeleton(config) -> torch.nn.Module:
     """The model's modules on the meta device: no memory, no weights read, just its structure."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415 - transformers' Auto classes load its model registry, slowly: on first use, not with kvlab
 
     try:
         with torch.device("meta"):

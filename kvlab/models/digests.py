@@ -11,6 +11,8 @@ import hashlib
 import json
 from pathlib import Path
 
+import tokenizers
+
 from kvlab.atomic import atomic_write_text
 
 #: Version of the fingerprint, and of the digest files kept in a conversion folder.
@@ -50,8 +52,6 @@ def tokenizer_signature(tokenizer) -> str:
 
     They guard a remembered digest; they are not the digest.
     """
-    import tokenizers
-
     return canonical_json(
         {
             "class": type(tokenizer).__name__,

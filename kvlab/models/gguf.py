@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_model
 
 from kvlab.atomic import atomic_dir, atomic_path, atomic_write_text
 from kvlab.errors import ModelError
@@ -145,8 +146,7 @@ def _convert(spec: GGUFSpec, gguf: Path, sha: str, folder: Path, step: Callable[
 
     ``step`` is told the name of each stage as it starts (a progress bar's hook).
     """
-    from safetensors.torch import save_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 - transformers' Auto classes load its model registry, slowly: on first use, not with kvlab
 
     notice(
         f"kvlab: converting {gguf.name} to fp32 safetensors in {folder} (once per file; "
@@ -238,7 +238,7 @@ def prepare(names: list[str] | None = None, progress: bool | None = None) -> dic
     names = real_model_names(names)
     if progress is None:
         progress = sys.stderr.isatty()
-    import matplotlib.font_manager  # noqa: F401  (builds the font cache once, here)
+    import matplotlib.font_manager  # noqa: F401, PLC0415 - the lab extra's: builds the font cache once, here
 
     done = {}
     for name in names:
@@ -256,7 +256,7 @@ def prepare(names: list[str] | None = None, progress: bool | None = None) -> dic
 
 
 def load_gguf(spec: GGUFSpec, dtype: torch.dtype) -> LoadedModel:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 - transformers' Auto classes load its model registry, slowly: on first use, not with kvlab
 
     folder = converted(spec)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
@@ -270,7 +270,7 @@ def load_gguf(spec: GGUFSpec, dtype: torch.dtype) -> LoadedModel:
 
 def gguf_quantization(path: Path) -> str:
     """The GGUF file type (``Q4_1``, ``Q8_0``, ``F16`` ...) from its header, or ``unknown``."""
-    from gguf import GGUFReader, LlamaFileType
+    from gguf import GGUFReader, LlamaFileType  # noqa: PLC0415 - the gguf package: only to read a GGUF file's header
 
     try:
         field = GGUFReader(path).fields.get("general.file_type")

@@ -6,9 +6,13 @@ import contextlib
 import os
 import sys
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
+from unittest import mock
 
 import torch
+from tqdm import tqdm
+from transformers.utils import logging as tf_logging
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -52,8 +56,6 @@ def notice(text: str) -> None:
 @contextlib.contextmanager
 def quiet_transformers():
     """Keep transformers' progress bars and info chatter out of notebooks and reports."""
-    from transformers.utils import logging as tf_logging
-
     bars, level = tf_logging.is_progress_bar_enabled(), tf_logging.get_verbosity()
     tf_logging.disable_progress_bar()
     tf_logging.set_verbosity_error()
@@ -73,11 +75,7 @@ def quiet_gguf_reader():
     that is a widget (nbval then sees an unexpected ``text/plain`` output), elsewhere a bar on
     stderr. Only this module's ``tqdm`` is replaced, for the length of the block.
     """
-    from functools import partial
-    from unittest import mock
-
-    from tqdm import tqdm
-    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils  # noqa: PLC0415 - slow: only to read a GGUF
 
     with mock.patch.object(gguf_utils, "tqdm", partial(tqdm, disable=True)):
         yield

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kvlab.errors import PositionError, UnsupportedRopeError
 
@@ -147,8 +148,6 @@ class LayerRope:
 
 def longrope_inv_freq(model: torch.nn.Module, rope: LayerRope, long: bool) -> torch.Tensor:
     """The short or long factor set of a longrope layer, as the rotary module computes it."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
     if not long:
         return rope.inv_freq
     kwargs = {} if rope.layer_type == "default" else {"layer_type": rope.layer_type}

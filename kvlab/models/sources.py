@@ -215,7 +215,7 @@ def folder_digest(folder: Path) -> tuple[str, dict[str, str]]:
 
 
 def _load_folder(folder: Path, dtype: torch.dtype) -> LoadedModel:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 - transformers' Auto classes load its model registry, slowly: on first use, not with kvlab
 
     folder = folder.resolve()
     if not (folder / "config.json").is_file():
@@ -324,7 +324,7 @@ def _file_spec(path: Path, name: str | None) -> GGUFSpec:
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
             raise ModelError(f"{path} is not a GGUF file (it does not start with b'GGUF')")
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # noqa: PLC0415 - transformers' Auto classes load its model registry, slowly: on first use, not with kvlab
 
     path = path.resolve()
     sha = sha256_cached(path)

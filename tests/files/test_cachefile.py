@@ -26,7 +26,7 @@ from kvlab.cache.fragments import new_cache
 from kvlab.cache.repro import assigned_merge
 from kvlab.errors import CacheFileError, CacheFileWarning, FingerprintMismatch, KvlabError
 from kvlab.files import io as cf
-from kvlab.files.format import read_header
+from kvlab.files.format import read_header, verify_file
 from kvlab.files.identity import STRICT_FIELDS, fingerprint
 from kvlab.files.io import load_cache, save_cache
 from kvlab.measure.mismatch import finetune_text
@@ -441,13 +441,13 @@ def test_wrong_format_version(tmp_path, llama, frag):
 
 
 def test_verify_file_checks_every_tensor_without_a_model(saved, tmp_path):
-    assert cf.verify_file(saved) == read_header(saved)
+    assert verify_file(saved) == read_header(saved)
     data = bytearray(saved.read_bytes())
     end = header_end(bytes(data))
     a, b = json.loads(data[8:end])["layers.1.values"]["data_offsets"]
     data[end + (a + b) // 2] ^= 0x40
     with pytest.raises(CacheFileError, match=r"data of layers\.1\.values does not match its xxh3-128 digest"):
-        cf.verify_file(corrupt(tmp_path / "v.kvcache", bytes(data)))
+        verify_file(corrupt(tmp_path / "v.kvcache", bytes(data)))
 
 
 def test_unknown_tensor_digest_algorithm(tmp_path, llama, frag):

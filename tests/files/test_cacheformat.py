@@ -13,6 +13,7 @@ import kvlab
 from conftest import tiny
 from kvlab.errors import CacheFileError
 from kvlab.files import format as cacheformat
+from kvlab.files import header as cacheheader
 
 
 @pytest.fixture()
@@ -57,4 +58,4 @@ def test_the_file_is_written_by_the_library_with_the_kvlab_metadata(saved):
     with safe_open(str(saved), "pt") as f:
         meta = f.metadata()
     assert meta == cacheformat.kvlab_metadata(json.loads(meta["kvlab"]))
-    assert cacheformat.verify_file(saved)["format_version"] == cacheformat.FORMAT_VERSION
+    assert cacheformat.verify_file(saved)["format_version"] == cacheheader.FORMAT_VERSION

@@ -25,7 +25,9 @@ from benchmarks.fuzz.run import fuzz, models_loaded_once
 from benchmarks.fuzz.seeds import tiny_seeds
 from kvlab.errors import CacheFileError
 from kvlab.files import format as cacheformat
-from kvlab.files.io import load_cache, read_header, save_cache
+from kvlab.files import header as cacheheader
+from kvlab.files.format import read_header
+from kvlab.files.io import load_cache, save_cache
 
 CORPUS = Path(__file__).with_name("fuzz_corpus")
 
@@ -106,7 +108,7 @@ def test_save_refuses_a_header_load_would_refuse_and_keeps_the_old_file(tmp_path
 
 
 def test_more_tensors_than_a_cache_holds_are_refused_before_each_is_read(tmp_path):
-    n = 2 * cacheformat.MAX_LAYERS + 1
+    n = 2 * cacheheader.MAX_LAYERS + 1
     save_file({f"t{i}": torch.zeros(1) for i in range(n)}, str(tmp_path / "many.safetensors"))
     with pytest.raises(CacheFileError, match=f"holds {n} tensors, more than the {n - 1}"):
         read_header(tmp_path / "many.safetensors")
@@ -152,15 +154,15 @@ def test_the_first_header_read_does_not_pay_for_jsonschemas_iri_parser(tmp_path)
 def test_the_schema_is_valid_and_agrees_with_the_code():
     from jsonschema import Draft202012Validator
 
-    schema = cacheformat.header_schema()
+    schema = cacheheader.header_schema()
     Draft202012Validator.check_schema(schema)
-    assert schema["properties"]["layers"]["maxItems"] == cacheformat.MAX_LAYERS
-    assert schema["properties"]["tensors"]["maxProperties"] == 2 * cacheformat.MAX_LAYERS
-    assert schema["properties"]["format"]["const"] == cacheformat.FORMAT
-    assert schema["properties"]["format_version"]["const"] == cacheformat.FORMAT_VERSION
+    assert schema["properties"]["layers"]["maxItems"] == cacheheader.MAX_LAYERS
+    assert schema["properties"]["tensors"]["maxProperties"] == 2 * cacheheader.MAX_LAYERS
+    assert schema["properties"]["format"]["const"] == cacheheader.FORMAT
+    assert schema["properties"]["format_version"]["const"] == cacheheader.FORMAT_VERSION
     assert schema["properties"]["tensor_digest"]["const"] == cacheformat.TENSOR_DIGEST
     assert schema["properties"]["dtype"]["enum"] == list(cacheformat.TORCH_DTYPES)
-    assert set(cacheformat._MESSAGES) >= {k for k in schema["properties"]}
+    assert set(cacheheader._MESSAGES) >= {k for k in schema["properties"]}
 
 
 def _plain_errors(h) -> list:
@@ -170,7 +172,7 @@ def _plain_errors(h) -> list:
     types = Draft202012Validator.TYPE_CHECKER.redefine(
         "integer", lambda _, x: isinstance(x, int) and not isinstance(x, bool)
     )
-    validator = validators.extend(Draft202012Validator, type_checker=types)(cacheformat.header_schema())
+    validator = validators.extend(Draft202012Validator, type_checker=types)(cacheheader.header_schema())
     return [(list(e.absolute_path), e.validator, e.instance) for e in validator.iter_errors(h)]
 
 
@@ -200,7 +202,7 @@ def test_the_fast_paths_report_jsonschemas_first_error(seeds, edits, duplicate_l
         if isinstance(header[field], list) and key >= len(header[field]):
             continue
         header[field][key] = value
-    error = next(cacheformat._validator().iter_errors(header), None)
+    error = next(cacheheader._validator().iter_errors(header), None)
     plain = _plain_errors(header)
     assert (error is None) == (plain == [])
     if error is not None:

@@ -21,8 +21,8 @@ import torch
 import kvlab
 from kvlab.atomic import stale_temporaries
 from kvlab.cache.fragments import new_cache
-from kvlab.files.format import stray_library_temporaries
-from kvlab.files.io import save_cache, verify_file
+from kvlab.files.format import stray_library_temporaries, verify_file
+from kvlab.files.io import save_cache
 
 TARGETS = [f"k{i}.kvcache" for i in range(8)]
 #: Each file is [10, 2, 512, 16] x 3 layers x keys and values in float32: 3.9 MB, so that the
@@ -39,8 +39,8 @@ KILLER = textwrap.dedent("""
     import kvlab
     from kvlab.cache.fragments import new_cache
     from kvlab.errors import CacheFileError
-    from kvlab.files.format import is_library_temporary
-    from kvlab.files.io import save_cache, verify_file
+    from kvlab.files.format import is_library_temporary, verify_file
+    from kvlab.files.io import save_cache
 
     folder, kills, batch, tokens = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     targets = [folder / name for name in sys.argv[5:]]
