@@ -1,6 +1,6 @@
 """Loaded by every pytest run in this repository: `make test`, and nbval on a notebook by itself.
 
-``kvlab.record`` stores each finding twice: a text line, which nbval compares like any printed
+``kvlab.findings.records.record`` stores each finding twice: a text line, which nbval compares like any printed
 number, and a JSON payload with 6 significant digits for sweeps. fp32 reductions differ in the
 5th digit from one process to the next (thread scheduling in the matmul kernels), so the JSON
 is left out of nbval's comparison; the same numbers are guarded at the precision the notebook

@@ -47,7 +47,7 @@ import kvlab.files.identity as fpmod
 import kvlab.files.io as cio
 from benchmarks.timing import run_each_malloc
 from kvlab.atomic import atomic_path, atomic_write_bytes
-from kvlab.cache.fragments import new_cache
+from kvlab.cache.fragments import new_cache, prefill_tokens
 from kvlab.files.format import kvlab_metadata
 
 
@@ -160,7 +160,7 @@ def peak_rise_mb(fn) -> float | None:
 def bench_files(model: kvlab.LoadedModel, tokens: int, repeats: int) -> None:
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
-    frags = [kvlab.prefill_tokens(model, torch.randint(100, vocab, (tokens,), generator=g)) for _ in range(2)]
+    frags = [prefill_tokens(model, torch.randint(100, vocab, (tokens,), generator=g)) for _ in range(2)]
     cache = kvlab.merge(frags, "rerotate", model)
     tensors = {}
     for i, layer in enumerate(cache.layers):

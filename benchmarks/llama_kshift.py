@@ -30,6 +30,7 @@ import torch
 
 import kvlab
 from benchmarks.timing import run_each_malloc, timed
+from kvlab.cache.fragments import clone_cache, prefill_tokens
 from kvlab.peers.mapping import engine_for
 
 
@@ -47,12 +48,12 @@ def main() -> None:
     n = args.tokens
     g = torch.Generator().manual_seed(0)
     ids = [torch.randint(100, model.config.vocab_size, (n,), generator=g) for _ in range(2)]
-    frags = [kvlab.prefill_tokens(model, t) for t in ids]
+    frags = [prefill_tokens(model, t) for t in ids]
     t_rot = timed(lambda: kvlab.merge(frags, "rerotate", model), args.repeats)
     t_naive = timed(lambda: kvlab.merge(frags, "naive", model), args.repeats)
     # The in-place turn a store that owns its cache uses: fragment 2's f16 keys, where they lie.
     # Each repeat turns them by n again (the time does not depend on the angle).
-    f16 = kvlab.clone_cache(frags[1].cache, model.config, torch.float16)
+    f16 = clone_cache(frags[1].cache, model.config, torch.float16)
     t_shift16 = timed(lambda: kvlab.shift_(f16, n, model), args.repeats)
 
     with engine_for(model, n_ctx=2 * n + 64, n_seq_max=2) as eng:

@@ -22,6 +22,7 @@ import torch
 
 import kvlab
 from benchmarks.timing import run_each_malloc, timed
+from kvlab.cache.fragments import prefill_tokens
 
 
 def main() -> None:
@@ -47,7 +48,7 @@ def main() -> None:
     )
     g = torch.Generator().manual_seed(0)
     for n in args.sizes:
-        frags = [kvlab.prefill_tokens(model, torch.randint(100, vocab, (n,), generator=g)) for _ in range(2)]
+        frags = [prefill_tokens(model, torch.randint(100, vocab, (n,), generator=g)) for _ in range(2)]
         t_naive = timed(lambda frags=frags: kvlab.merge(frags, "naive", model), args.repeats)
         t_rot = timed(lambda frags=frags: kvlab.merge(frags, "rerotate", model), args.repeats)
         t_pre = timed(lambda frags=frags: kvlab.merge(frags, "reprefill", model), args.reprefill_repeats)

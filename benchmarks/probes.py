@@ -4,7 +4,7 @@
 
 Builds each configuration as the study does (``kvlab.findings.longctx``: ``make_set`` with the
 study's seed for set 0, ``passage_fragments``, the four default strategies' merges and the
-joined prefill) and scores questions as ``kvlab.ask`` does: each question's probe is read
+joined prefill) and scores questions as ``kvlab.findings.qa.ask`` does: each question's probe is read
 behind the joined prefill and behind every merge, with the study's 5 greedy tokens.
 
 * old: ``read_probe`` as kvlab had it before issue 23 (kept here only, for this comparison):
@@ -40,6 +40,7 @@ import torch
 import kvlab
 from kvlab.cache.fragments import clone_cache, tokenize
 from kvlab.findings.longctx import default_strategies, make_set
+from kvlab.findings.qa import passage_fragments
 from kvlab.measure.case import FidelityReference
 from kvlab.measure.fidelity import fidelity
 from kvlab.measure.references import context_reference
@@ -90,7 +91,7 @@ def old_scores(model, reference, merges, probes):
 
 
 def new_scores(model, frags, reference, merges, probes):
-    """As ``kvlab.ask`` reads them now: ``fidelity`` of each merge against one remembered reference."""
+    """As ``kvlab.findings.qa.ask`` reads them now: ``fidelity`` of each merge against one remembered reference."""
     ref = FidelityReference(model, reference)
     fids = [fidelity(model, frags, c, probes=probes, greedy_tokens=GREEDY, reference=ref) for c in merges]
     return ref, fids
@@ -149,7 +150,7 @@ def main() -> None:
     )
     for k in args.counts:
         s = make_set(model, k, args.tokens, seed=k)  # the study's set 0 (seed 0 + k)
-        frags, probes = kvlab.passage_fragments(model, s)
+        frags, probes = passage_fragments(model, s)
         reference = context_reference(model, frags)
         merges = [kvlab.merge(frags, strat, model) for strat in default_strategies().values()]
         few = probes[: args.old_questions]

@@ -27,7 +27,9 @@ import torch
 
 import kvlab
 from benchmarks.timing import run_each_malloc
+from kvlab.cache.fragments import prefill_tokens
 from kvlab.cache.recompute.strategy import POLICIES
+from kvlab.cache.strategies import STRATEGIES
 
 TARGET = 0.3
 
@@ -53,9 +55,9 @@ def main() -> None:
     model = kvlab.load_model(args.model)
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
-    frags = [kvlab.prefill_tokens(model, torch.randint(100, vocab, (args.tokens,), generator=g)) for _ in range(2)]
+    frags = [prefill_tokens(model, torch.randint(100, vocab, (args.tokens,), generator=g)) for _ in range(2)]
     n = sum(f.length for f in frags)
-    k = kvlab.STRATEGIES["recompute"](ratio=args.ratio).budget(n)
+    k = STRATEGIES["recompute"](ratio=args.ratio).budget(n)
     print(
         f"model {model.name}, fp32, torch threads {torch.get_num_threads()}; 2x{args.tokens} tokens, ratio {args.ratio} "
         f"({k} of {n} tokens); median of {args.repeats} (reprefill: {args.reprefill_repeats}), after one warm-up"

@@ -1,85 +1,66 @@
 """kvlab: is a merged or reloaded transformer KV cache still right?
 
-The public API, by layer (``docs/ARCHITECTURE.md``). Everything else is reached through its
-module, ``kvlab.<layer>.<module>``; nothing has a second import path.
+The top level is what a user of the package calls: load a model, prefill fragments, merge or
+shift them with a strategy, save and load cache files, certify a model or audit a store's own
+merge, and the measures a notebook reads. Nothing else is exported here: cache plumbing
+(``kvlab.cache.fragments``), statistics beyond the intervals (``kvlab.measure.stats``), the
+evaluation set and findings (``kvlab.findings``), notebooks and studies (``kvlab.lab``,
+``kvlab.sweep``) are reached through their modules, ``kvlab.<layer>.<module>``
+(``docs/ARCHITECTURE.md``); every exception type is in ``kvlab.errors``. Nothing has a
+second import path.
 """
 
-from kvlab.cache.fragments import (
-    Fragment,
-    clone_cache,
-    joined_prefill,
-    new_cache,
-    prefill,
-    prefill_ids,
-    prefill_tokens,
-    set_length,
-    tokenize,
-)
+from kvlab.cache.fragments import Fragment, joined_prefill, prefill, tokenize
 from kvlab.cache.merge import landing_positions, merge
 from kvlab.cache.recompute.strategy import Recompute
 from kvlab.cache.shift import shift_
-from kvlab.cache.strategies import STRATEGIES, Fail, Naive, Reprefill, Rerotate, Strategy, register, strategy_names
+from kvlab.cache.strategies import Fail, Naive, Reprefill, Rerotate, Strategy, register, strategy_names
 from kvlab.errors import (
     AuditTargetError,
     CacheFileError,
     CacheFileWarning,
-    EvalSetError,
     FingerprintMismatch,
-    KernelMissing,
     KvlabError,
     MergeError,
     ModelError,
     PeerError,
     PositionError,
-    RecordError,
-    ReportError,
-    StatsError,
-    StudyError,
     UnsupportedModelError,
     UnsupportedRopeError,
 )
 from kvlab.files.format import read_header, verify_file
 from kvlab.files.identity import STRICT_FIELDS, Difference, fingerprint
 from kvlab.files.io import load_cache, save_cache
-from kvlab.findings.evalset import EvalSet, Question, generate
-from kvlab.findings.qa import ask, passage_fragments
-from kvlab.findings.records import read_records, record
-from kvlab.lab.kernel import KERNEL_NAME, kernel_name
-from kvlab.measure.case import Case, FidelityReference
+from kvlab.measure.audit.run import audit
+from kvlab.measure.case import Case
 from kvlab.measure.certify import Certificate, certify
-from kvlab.measure.fidelity import Fidelity, fidelity, merge_seconds, merge_times
-from kvlab.measure.mismatch import VARIANT_KINDS, MismatchResult, mismatch_kl, variants
+from kvlab.measure.fidelity import Fidelity, fidelity
+from kvlab.measure.mismatch import MismatchResult, mismatch_kl, variants
 from kvlab.measure.probes import ProbeRead, read_probes
-from kvlab.measure.stats import CI, fmt_ci, gap_closed_ci, holm, mean_ci, paired_diff_ci, paired_p, proportion_ci
+from kvlab.measure.stats import CI, mean_ci, paired_diff_ci, proportion_ci
 from kvlab.models.catalog import model_names
 from kvlab.models.layout import layer_ropes
 from kvlab.models.loaded import DEFAULT_MODEL, LoadedModel
 from kvlab.models.rope import rotate_keys
 from kvlab.models.sources import load_gguf_file, load_model, wrap
-from kvlab.sweep.study import load_study
 
 __all__ = [
-    # errors
-    "KvlabError", "ModelError", "UnsupportedModelError", "MergeError", "PositionError", "UnsupportedRopeError",
-    "FingerprintMismatch", "CacheFileError", "PeerError", "KernelMissing", "RecordError", "ReportError",
-    "StatsError", "StudyError", "EvalSetError", "AuditTargetError",
-    # models
+    # errors a caller of the functions below catches (every other type: kvlab.errors)
+    "KvlabError", "ModelError", "UnsupportedModelError", "UnsupportedRopeError", "MergeError", "PositionError",
+    "FingerprintMismatch", "CacheFileError", "CacheFileWarning", "PeerError", "AuditTargetError",
+    # models: load one, or wrap a live one; its rotary layout
     "DEFAULT_MODEL", "LoadedModel", "load_model", "load_gguf_file", "wrap", "model_names", "layer_ropes",
     "rotate_keys",
-    # caches: fragments, strategies (one class each, behind a registry), merge
-    "Fragment", "clone_cache", "joined_prefill", "new_cache", "prefill", "prefill_ids", "prefill_tokens",
-    "set_length", "tokenize",
-    "STRATEGIES", "Strategy", "register", "strategy_names", "Naive", "Fail", "Reprefill", "Rerotate", "Recompute",
-    "landing_positions", "merge", "shift_",
+    # fragments: text prefilled into a cache
+    "Fragment", "prefill", "joined_prefill", "tokenize",
+    # strategies (one class each, behind a registry), the merge, the in-place shift
+    "Strategy", "Naive", "Fail", "Reprefill", "Rerotate", "Recompute", "register", "strategy_names",
+    "merge", "landing_positions", "shift_",
     # cache files
-    "STRICT_FIELDS", "Difference", "fingerprint", "CacheFileWarning", "load_cache", "read_header", "save_cache",
-    "verify_file",
-    # measures
-    "Case", "FidelityReference", "Fidelity", "fidelity", "merge_seconds", "merge_times", "ProbeRead", "read_probes",
-    "VARIANT_KINDS", "MismatchResult", "mismatch_kl", "variants", "CI", "mean_ci", "paired_diff_ci",
-    "proportion_ci", "paired_p", "holm", "gap_closed_ci", "fmt_ci", "Certificate", "certify",
-    # findings
-    "EvalSet", "Question", "generate", "ask", "passage_fragments", "read_records", "record",
-    # lab and sweeps
-    "KERNEL_NAME", "kernel_name", "load_study",
+    "save_cache", "load_cache", "verify_file", "read_header", "fingerprint", "Difference", "STRICT_FIELDS",
+    # certificates: kvlab's merge on a model, a store's own merge, shift and files
+    "Certificate", "certify", "audit",
+    # measures a notebook reads, and their intervals
+    "Case", "fidelity", "Fidelity", "mismatch_kl", "MismatchResult", "variants", "read_probes", "ProbeRead",
+    "CI", "mean_ci", "paired_diff_ci", "proportion_ci",
 ]  # fmt: skip

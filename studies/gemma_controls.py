@@ -22,9 +22,9 @@ Named before the run, at each length, paired within caches, 95% cluster bootstra
    window?); the straddle is 2 x 250 against 2 x 270, whose offsets differ by 8% while only the
    second passes the window (separate caches: two intervals side by side, not a paired test);
 2. the share of naive's excess answer-span KL over rerotate that rerotating only one layer type
-   removes (``kvlab.gap_closed_ci`` of (only - rerotate) against (naive - rerotate));
+   removes (``kvlab.measure.stats.gap_closed_ci`` of (only - rerotate) against (naive - rerotate));
 3. the share of rerotate's own answer-span KL (its context gap) that the joined prefill's K/V on
-   one layer type removes (``kvlab.gap_closed_ci`` of exact-only against rerotate).
+   one layer type removes (``kvlab.measure.stats.gap_closed_ci`` of exact-only against rerotate).
 
     .venv/bin/kvlab sweep studies/gemma_controls.toml --workers 2     # results/gemma_controls/
     .venv/bin/python studies/gemma_controls.py --sweep-table results/gemma_controls
@@ -38,7 +38,7 @@ from pathlib import Path
 import kvlab
 from kvlab.cache.repro import ExactOnly, RerotateOnly
 from kvlab.findings import longctx
-from kvlab.measure.stats import fmt_ci
+from kvlab.measure.stats import fmt_ci, gap_closed_ci
 from kvlab.sweep.point import read_points
 
 RER_ONLY = ("rerotate sliding only", "rerotate full only")
@@ -79,7 +79,7 @@ def summarise(rows: list[dict], seed: int = 0) -> dict:
         else:
             key, (x, y, caches) = f"{a}: of rerotate's gap", longctx.pairs(rows, a, "rerotate", "span_kl", None)
         if sum(y) > 0:
-            shares[key] = kvlab.gap_closed_ci(x, y, clusters=caches, seed=seed).as_dict()
+            shares[key] = gap_closed_ci(x, y, clusters=caches, seed=seed).as_dict()
         else:  # no error to remove: a share of it is undefined, not 0
             shares[key] = {"mean": float("nan"), "lo": float("nan"), "hi": float("nan"), "n": len(x)}
             shares[key]["caches"] = len(set(caches))
@@ -107,7 +107,7 @@ def measure(model, tokens: int, *, sets=20, people=1, max_questions=12, greedy_t
 
 
 def records(doc: dict) -> list[tuple[str, float, dict]]:
-    """``(name, value, keywords)`` for :func:`kvlab.record`: every strategy's answer-span KL and exact match,
+    """``(name, value, keywords)`` for :func:`kvlab.findings.records.record`: every strategy's answer-span KL and exact match,
     every paired difference and every share, each with its interval, n and caches."""
     out = []
 

@@ -8,7 +8,7 @@ dequantises the keys, rotates them and quantises them again. For f16, q8_0 and q
 the K-shift's own error (shift-merge against the second fragment decoded at its landing
 positions), the shift-merge against llama.cpp's joined prefill, and the K type's own cost
 (its joined prefill against the f16 one), all as next-token KL on question probes
-(:func:`kvlab.quantised_shift_table`). Layouts llama.cpp refuses are recorded with its
+(:func:`kvlab.peers.kshift.quantised_shift_table`). Layouts llama.cpp refuses are recorded with its
 reason. Writes ``results/quantised_kshift.json`` after every model and length, then prints
 the plain-text and markdown tables.
 """

@@ -10,7 +10,7 @@ the joined prefill (``kvlab certify`` checks both), so the curve runs from 0 to 
 
 Named before the run: for each policy and ratio, the share of rerotate's answer-span KL it
 removes, ``1 - mean(recompute) / mean(rerotate)`` over the same questions
-(``kvlab.gap_closed_ci``, resampled by cache, 95%); and per policy ``r90``, the ratio removing 90%,
+(``kvlab.measure.stats.gap_closed_ci``, resampled by cache, 95%); and per policy ``r90``, the ratio removing 90%,
 by linear interpolation of that curve (through (0, 0) and (1, 1)), with a cluster-bootstrap
 interval over caches (the whole curve resampled at once). Exact match against the truth is
 reported beside it.

@@ -136,7 +136,7 @@ def _word_count(text: str) -> int:
     return round(len(text.split()) * 4 / 3)
 
 
-def generate(
+def generate_evalset(
     seed: int = 0,
     n_passages: int = 4,
     passage_tokens: int = 128,

@@ -16,7 +16,7 @@ from kvlab.cache.merge import merge
 from kvlab.cache.recompute.strategy import Recompute
 from kvlab.cache.strategies import Naive, Reprefill, Rerotate, Strategy
 from kvlab.errors import MergeError
-from kvlab.findings.evalset import EvalSet, generate, normalize
+from kvlab.findings.evalset import EvalSet, generate_evalset, normalize
 from kvlab.findings.qa import ask, passage_fragments
 from kvlab.measure.metrics import phase_error
 from kvlab.measure.references import phase_reference
@@ -51,7 +51,7 @@ def make_set(
 
     ``max_questions`` keeps the first questions of the seeded shuffle.
     """
-    s = generate(seed, n_fragments, fragment_tokens, people_per_passage, count_tokens=token_counter(model))
+    s = generate_evalset(seed, n_fragments, fragment_tokens, people_per_passage, count_tokens=token_counter(model))
     if max_questions is not None:
         s = EvalSet(s.passages, s.questions[:max_questions], s.seed, s.facts)
     return s
@@ -126,7 +126,7 @@ def run(
     Returns
     -------
     rows : list of dict
-        :func:`kvlab.ask` rows plus ``n_fragments``, ``set``, ``fragment_tokens`` and ``total_tokens``.
+        :func:`kvlab.findings.qa.ask` rows plus ``n_fragments``, ``set``, ``fragment_tokens`` and ``total_tokens``.
     timings : dict
         ``n_fragments -> seconds`` of wall time for that configuration (prefill, merges, answers).
     """
@@ -253,7 +253,7 @@ def paired(rows: list[dict], a: str, b: str, metric: str, *, where: dict | None 
 def named_paired(
     rows: list[dict], a: str, b: str, metric: str, *, where: dict | None = None, seed: int = 0
 ) -> tuple[CI, float]:
-    """:func:`paired` and its two-sided bootstrap p (:func:`kvlab.paired_p`, same resamples), for a named family."""
+    """:func:`paired` and its two-sided bootstrap p (:func:`kvlab.measure.stats.paired_p`, same resamples), for a named family."""
     x, y, caches = pairs(rows, a, b, metric, where)
     return paired_diff_ci(x, y, clusters=caches, seed=seed), paired_p(x, y, clusters=caches, seed=seed)
 

@@ -1,4 +1,4 @@
-"""``kvlab.ask``: answer an evaluation set's questions behind merged caches, and score them.
+"""``ask``: answer an evaluation set's questions behind merged caches, and score them.
 
 The passages of a :class:`kvlab.findings.evalset.EvalSet` are prefilled once as fragments (the
 chat template's opening rides on the first), each strategy merges them once, and every

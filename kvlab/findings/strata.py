@@ -13,7 +13,7 @@ rerotate by default) is stated per fragment count over the merges' questions, sp
 Rows of one fragment (``n_fragments == 1``) are left out: there every merge is the joined
 prefill, and pooling them would credit a merge with answers it never had to make. Intervals are
 kvlab's cluster bootstrap over caches (:func:`kvlab.paired_diff_ci`), each with its raw
-:func:`kvlab.paired_p` and Holm's adjustment within its family (:func:`kvlab.holm`): one family
+:func:`kvlab.measure.stats.paired_p` and Holm's adjustment within its family (:func:`kvlab.measure.stats.holm`): one family
 per model and metric, holding every count x stratum comparison this module names.
 
 Read from the rows a study committed (``results/long_context_<model>.csv``); no model is run.

@@ -1,7 +1,7 @@
 """One grid point on a Dask worker: run the notebook with papermill, then write its record.
 
 The record (``record.json`` in the point's folder) holds the point's parameters, the
-notebook's ``kvlab.record`` findings, the code identity (kvlab version, git commit,
+notebook's ``kvlab.findings.records.record`` findings, the code identity (kvlab version, git commit,
 notebook digest), the model's weights digest, torch and transformers versions, wall
 time, status and error. It is written last, by the worker, so a point with a record is
 a finished point; the sweep's client writes one only for a point whose worker died.
@@ -243,7 +243,7 @@ def run_point(task: dict) -> dict:
         except Exception as e:  # noqa: BLE001
             status, error = "failed", f"cannot read the records: {e}"
     if status == "ok" and not records:
-        status, error = "failed", "the notebook ran but recorded nothing (no kvlab.record output)"
+        status, error = "failed", "the notebook ran but recorded nothing (no kvlab.findings.records.record output)"
     digest, digest_error = model_digest(task["parameters"].get("model_name", task.get("default_model")))
     rec = point_record(
         task,

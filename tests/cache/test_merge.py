@@ -11,6 +11,8 @@ from transformers import DynamicCache
 import kvlab
 from conftest import assert_unchanged, snapshot, tiny
 from kvlab.cache import repro
+from kvlab.cache.fragments import clone_cache
+from kvlab.cache.strategies import STRATEGIES
 from kvlab.measure.references import phase_reference
 
 TEXTS = ["Cached keys remember where they were.", " A second fragment of text,", " and a third that lands last."]
@@ -199,7 +201,7 @@ def test_fragments_from_another_model_are_refused_for_that_model():
 
 def test_registry_lists_every_strategy_with_a_summary():
     assert {"naive", "fail", "reprefill", "rerotate"} <= set(kvlab.strategy_names())
-    for cls in kvlab.STRATEGIES.values():
+    for cls in STRATEGIES.values():
         assert cls.summary()
 
 
@@ -227,7 +229,7 @@ def test_store_by_reference_grows_every_turn_and_copying_store_does_not():
     lengths = {}
     for store_cls in (repro.ByReferenceStore, repro.CopyingStore):
         store = store_cls()
-        store.put("mem", kvlab.clone_cache(f.cache, f.config), f.config)
+        store.put("mem", clone_cache(f.cache, f.config), f.config)
         seen = [store.stored_length("mem")]
         for _ in range(3):
             repro.chat_turn(m, store.get("mem"), query, new_tokens=12)

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import kvlab
 from conftest import assert_unchanged, snapshot, tiny
+from kvlab.cache.fragments import prefill_ids
 from kvlab.cache.recompute.strategy import POLICIES, Recompute, fragment_start_positions
 from kvlab.measure.case import DEFAULT_PROBES, DEFAULT_TEXTS
 from kvlab.measure.fidelity import Fidelity, fidelity
@@ -310,10 +311,10 @@ def test_gemma3_limits_across_the_sliding_window(gemma3):
     m = gemma3
     g = torch.Generator().manual_seed(0)
     ids = [torch.randint(100, 20000, (260,), generator=g) for _ in range(2)]
-    fs = [kvlab.Fragment(kvlab.prefill_ids(m, x[None]), x, None, 0, m.name, m.config) for x in ids]
+    fs = [kvlab.Fragment(prefill_ids(m, x[None]), x, None, 0, m.name, m.config) for x in ids]
     merged = kvlab.merge(fs, "recompute", m, ratio=1.0)
     assert [l.keys.shape[-2] for l in merged.layers][:6] == [511] * 5 + [520]
-    assert_close(merged, kvlab.prefill_ids(m, torch.cat(ids)[None]), TOL_REAL)
+    assert_close(merged, prefill_ids(m, torch.cat(ids)[None]), TOL_REAL)
     assert_same(kvlab.merge(fs, "recompute", m, ratio=0.0), kvlab.merge(fs, "rerotate", m))
 
 

@@ -7,6 +7,7 @@ import torch
 
 import kvlab
 from conftest import tiny
+from kvlab.cache.fragments import clone_cache, new_cache
 from kvlab.measure.references import phase_reference
 
 COMPOSING = ["tiny-llama", "tiny-qwen2", "tiny-gemma3", "tiny-gptneox", "tiny-phi", "tiny-llama3", "tiny-yarn"]
@@ -16,7 +17,7 @@ FIRST, SECOND = "Cached keys remember where", " a fragment that lands later."
 def two(m, dtype=None):
     f1, f2 = kvlab.prefill(m, FIRST), kvlab.prefill(m, SECOND)
     if dtype is not None:
-        f1, f2 = (kvlab.Fragment(kvlab.clone_cache(f.cache, m.config, dtype), f.token_ids, f.text, f.start,
+        f1, f2 = (kvlab.Fragment(clone_cache(f.cache, m.config, dtype), f.token_ids, f.text, f.start,
                                  f.model_name, f.config) for f in (f1, f2))  # fmt: skip
     return f1, f2
 
@@ -28,7 +29,7 @@ def test_shift_is_rerotate_in_place_bit_for_bit(name, dtype):
     m = tiny(name)
     f1, f2 = two(m, dtype)
     merged = kvlab.merge([f1, f2], "rerotate", m)
-    cache = kvlab.clone_cache(f2.cache, m.config)
+    cache = clone_cache(f2.cache, m.config)
     ptrs = [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in cache.layers]
     values = [layer.values.clone() for layer in cache.layers]
     assert kvlab.shift_(cache, f1.length, m) is cache
@@ -44,7 +45,7 @@ def test_shift_is_rerotate_in_place_bit_for_bit(name, dtype):
 def test_shifted_keys_match_the_phase_reference(name):
     m = tiny(name)
     f1, f2 = two(m)
-    cache = kvlab.shift_(kvlab.clone_cache(f2.cache, m.config), f1.length, m)
+    cache = kvlab.shift_(clone_cache(f2.cache, m.config), f1.length, m)
     ref = phase_reference(m, [f1, f2])
     for li, layer in enumerate(cache.layers):
         want = ref.layers[li].keys[..., -layer.keys.shape[-2] :, :]
@@ -54,7 +55,7 @@ def test_shifted_keys_match_the_phase_reference(name):
 def test_shift_and_back_returns_the_keys_to_rounding():
     m = tiny("tiny-llama")
     _, f2 = two(m)
-    cache = kvlab.clone_cache(f2.cache, m.config)
+    cache = clone_cache(f2.cache, m.config)
     kvlab.shift_(kvlab.shift_(cache, 37, m), -37, m, start=37)
     for a, b in zip(cache.layers, f2.cache.layers, strict=True):
         assert (a.keys - b.keys).abs().max() <= 1e-6 * b.keys.abs().max()
@@ -83,4 +84,4 @@ def test_refusals_leave_the_cache_alone():
     _refused(llama, c, 2.0, kvlab.MergeError, "must be an int")
     _refused(llama, kvlab.prefill(gem, SECOND).cache, 3, kvlab.MergeError, "the cache has 4 layers, tiny-llama has 3")
     with pytest.raises(kvlab.MergeError, match="empty"):
-        kvlab.shift_(kvlab.new_cache(llama.config), 3, llama)
+        kvlab.shift_(new_cache(llama.config), 3, llama)

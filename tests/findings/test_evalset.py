@@ -9,18 +9,19 @@ import kvlab
 from conftest import tiny
 from kvlab.errors import StatsError
 from kvlab.findings import evalset as E
+from kvlab.findings.qa import ask, passage_fragments
 from kvlab.measure.stats import CI, mean_ci, paired_diff_ci
 
 
 def test_same_seed_same_set_other_seed_other_set():
-    a, b, c = E.generate(3, 4, 120), E.generate(3, 4, 120), E.generate(4, 4, 120)
+    a, b, c = E.generate_evalset(3, 4, 120), E.generate_evalset(3, 4, 120), E.generate_evalset(4, 4, 120)
     assert a.passages == b.passages and a.questions == b.questions
     assert a.passages != c.passages
     assert {q.answer for q in a.questions} != {q.answer for q in c.questions}
 
 
 def test_every_answer_is_stated_in_the_passages_the_question_names():
-    s = E.generate(7, 5, 200, people_per_passage=3)
+    s = E.generate_evalset(7, 5, 200, people_per_passage=3)
     assert len(s.questions) == 3 * 5 * 3
     for q in s.questions:
         assert q.answer in s.passages[q.passages[-1]], q
@@ -29,7 +30,7 @@ def test_every_answer_is_stated_in_the_passages_the_question_names():
 
 
 def test_two_hop_questions_need_two_different_passages():
-    s = E.generate(1, 4, 150)
+    s = E.generate_evalset(1, 4, 150)
     two = [q for q in s.questions if q.hops == 2]
     assert len(two) == len(s.questions) // 3
     for q in two:
@@ -47,20 +48,20 @@ def test_two_hop_questions_need_two_different_passages():
 
 def test_passages_are_padded_to_the_target_length_without_passing_it():
     for target in (100, 300, 600):
-        s = E.generate(0, 3, target)
+        s = E.generate_evalset(0, 3, target)
         for p in s.passages:
             n = E._word_count(p)
             assert target - 25 <= n <= target, (target, n)
     # Filler carries no fact: no invented name appears in it.
-    names = {n for d in ("home", "builder") for n in E.generate(0, 3, 100).facts[d].values()}
+    names = {n for d in ("home", "builder") for n in E.generate_evalset(0, 3, 100).facts[d].values()}
     assert not any(n in f for n in names for f in E.FILLER)
 
 
 def test_bad_sizes_are_refused():
     with pytest.raises(E.EvalSetError, match="n_passages must be >= 2"):
-        E.generate(0, 1, 100)
+        E.generate_evalset(0, 1, 100)
     with pytest.raises(E.EvalSetError, match="people_per_passage"):
-        E.generate(0, 3, 100, people_per_passage=0)
+        E.generate_evalset(0, 3, 100, people_per_passage=0)
     with pytest.raises(kvlab.KvlabError):
         E.prompt_parts(tiny("tiny-llama").tokenizer, [], "Why?")
 
@@ -72,7 +73,7 @@ def test_shipped_passages_stay_usable():
 
 @pytest.mark.real
 def test_chat_prompt_splits_into_fragments_that_rebuild_the_joined_prompt(smollm2):
-    s = E.generate(2, 3, 128)
+    s = E.generate_evalset(2, 3, 128)
     q = s.questions[0]
     p = E.prompt_parts(smollm2.tokenizer, s.passages, q.text, q.lead)
     assert p.template == "tokenizer" and p.probe.endswith("<|im_start|>assistant\n" + q.lead)
@@ -177,12 +178,12 @@ def test_ask_scores_every_question_behind_every_strategy_and_reprefill_is_the_re
     from kvlab.findings import longctx
 
     model = tiny("tiny-llama")
-    s = E.generate(0, 2, 30, people_per_passage=1)
+    s = E.generate_evalset(0, 2, 30, people_per_passage=1)
     s = E.EvalSet(s.passages, s.questions[:3], s.seed, s.facts)
-    rows = kvlab.ask(model, s, longctx.default_strategies(0.15), greedy_tokens=2)
+    rows = ask(model, s, longctx.default_strategies(0.15), greedy_tokens=2)
     assert len(rows) == 3 * 4
     assert {r["strategy"] for r in rows} == {"naive", "rerotate", "recompute r=0.15", "reprefill"}
-    frags, _ = kvlab.passage_fragments(model, s)
+    frags, _ = passage_fragments(model, s)
     for r in rows:
         assert r["answer_offset"] == (0, frags[0].length)[r["answer_passage"]]
         if r["strategy"] == "reprefill":

@@ -1,4 +1,4 @@
-"""kvlab.record / kvlab.read_records: findings stored as data in an executed notebook."""
+"""kvlab.findings.records.record / read_records: findings stored as data in an executed notebook."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import torch
 from nbclient import NotebookClient
 
 import kvlab
-from kvlab.findings.records import MIME_TYPE, make_record, record_text
+from kvlab.errors import RecordError
+from kvlab.findings.records import MIME_TYPE, make_record, read_records, record, record_text
 
 
 def test_record_payload_is_rounded_plain_and_sorted():
@@ -56,8 +57,8 @@ def test_record_payload_is_rounded_plain_and_sorted():
     ],
 )
 def test_bad_records_are_refused_naming_the_record(kwargs, words):
-    with pytest.raises(kvlab.RecordError, match="record 'kl_mean'") as e:
-        kvlab.record("kl_mean", **kwargs)
+    with pytest.raises(RecordError, match="record 'kl_mean'") as e:
+        record("kl_mean", **kwargs)
     assert words in str(e.value)
     assert isinstance(e.value, kvlab.KvlabError)
 
@@ -66,18 +67,19 @@ def test_records_round_trip_through_an_executed_notebook(tmp_path):
     nb = nbformat.v4.new_notebook()
     nb.cells = [
         nbformat.v4.new_code_cell(
-            "import kvlab, numpy as np\nkvlab.record('phase_error', np.float64(0.25), unit='rad', ci=(0.2, 0.3), n=12)"
+            "import numpy as np\nfrom kvlab.findings.records import record\n"
+            "record('phase_error', np.float64(0.25), unit='rad', ci=(0.2, 0.3), n=12)"
         ),
         nbformat.v4.new_code_cell(
             "print('record: fake = 1.0')\n"  # text alone is not a record
-            "kvlab.record('undefined', float('nan'), note='empty sample')"
+            "record('undefined', float('nan'), note='empty sample')"
         ),
     ]
     NotebookClient(nb, kernel_name="kvlab", timeout=120, resources={"metadata": {"path": str(tmp_path)}}).execute()
     path = tmp_path / "run.ipynb"
     nbformat.write(nb, path)
 
-    recs = kvlab.read_records(path)
+    recs = read_records(path)
     assert [r["name"] for r in recs] == ["phase_error", "undefined"]
     assert recs[0] == {
         "name": "phase_error",
@@ -96,15 +98,14 @@ def test_records_round_trip_through_an_executed_notebook(tmp_path):
 
 
 def test_read_records_refuses_what_is_not_a_notebook(tmp_path):
-    with pytest.raises(kvlab.RecordError, match="no notebook at"):
-        kvlab.read_records(tmp_path / "missing.ipynb")
+    with pytest.raises(RecordError, match="no notebook at"):
+        read_records(tmp_path / "missing.ipynb")
     (tmp_path / "bad.ipynb").write_text("not json")
-    with pytest.raises(kvlab.RecordError, match="not a readable notebook"):
-        kvlab.read_records(tmp_path / "bad.ipynb")
+    with pytest.raises(RecordError, match="not a readable notebook"):
+        read_records(tmp_path / "bad.ipynb")
 
 
 def test_a_ci_is_recorded_with_its_interval_n_and_caches():
-    from kvlab.errors import RecordError
     from kvlab.measure.stats import mean_ci
 
     c = mean_ci([0.1, 0.2, 0.4, 0.3, 0.5, 0.6], clusters=[0, 0, 1, 1, 2, 2])

@@ -491,13 +491,14 @@ def test_explorer_shows_progress_and_draws_once_per_change():
 def test_notebooks_run_on_the_kvlab_kernel_and_refuse_without_it(monkeypatch):
     from jupyter_client.kernelspec import KernelSpecManager
 
-    import kvlab
+    from kvlab.errors import KernelMissing
+    from kvlab.lab.kernel import kernel_name
 
-    assert kvlab.kernel_name() == "kvlab"  # `make setup` installs it into the venv
+    assert kernel_name() == "kvlab"  # `make setup` installs it into the venv
     monkeypatch.setattr(KernelSpecManager, "find_kernel_specs", lambda self: {"python3": "/x"})
-    with pytest.raises(kvlab.KernelMissing, match="kvlab.*found: python3.*make setup"):
-        kvlab.kernel_name()
-    with pytest.raises(kvlab.KernelMissing):
+    with pytest.raises(KernelMissing, match="kvlab.*found: python3.*make setup"):
+        kernel_name()
+    with pytest.raises(KernelMissing):
         from kvlab.lab.report import run_report
 
         run_report(Path("/nonexistent-never-written"), only=["01_phase_error"], progress=False)

@@ -8,6 +8,7 @@ import torch
 
 import kvlab
 from conftest import tiny
+from kvlab.cache.fragments import clone_cache
 from kvlab.measure.metrics import (
     kv_diff,
     layer_position_grid,
@@ -84,8 +85,8 @@ def _pair_rotated(keys: torch.Tensor, pair: int, theta: float) -> torch.Tensor:
 def test_zero_norm_pairs_are_masked_and_do_not_hide_a_real_error():
     m = tiny("tiny-llama")
     frag = kvlab.prefill(m, TEXTS[0])
-    ref = kvlab.clone_cache(frag.cache, m.config)
-    cache = kvlab.clone_cache(frag.cache, m.config)
+    ref = clone_cache(frag.cache, m.config)
+    cache = clone_cache(frag.cache, m.config)
     h = ref.layers[0].keys.shape[-1] // 2
     for layer_ref, layer in zip(ref.layers, cache.layers):
         # Pair 3 is empty in both caches, with zeros of opposite signs: atan2 of them is pi.
@@ -113,7 +114,7 @@ def test_zero_norm_pairs_are_masked_and_do_not_hide_a_real_error():
         w, weighted_phase_error(unmasked), rel_tol=1e-12
     )  # no mask needed: empty pairs weigh 0
     assert phase_beyond_rounding(phases) > 100  # the real error is far beyond rounding
-    clean = phase_error(kvlab.clone_cache(ref, m.config), ref, m)
+    clean = phase_error(clone_cache(ref, m.config), ref, m)
     assert phase_beyond_rounding(clean) == 0.0 and all(p.masked[..., 3].all() for p in clean)
 
 
@@ -124,7 +125,7 @@ def test_masked_pairs_are_gaps_in_the_head_plot():
 
     m = tiny("tiny-llama")
     frag = kvlab.prefill(m, TEXTS[0])
-    ref = kvlab.clone_cache(frag.cache, m.config)
+    ref = clone_cache(frag.cache, m.config)
     ref.layers[0].keys[:, 0, 2] = 0.0  # every pair of head 0 at position 2 is empty
     phases = phase_error(kvlab.merge([frag], "naive", m), ref, m)
     fig = phase_vs_position_head(phases[0], 0, "gap", [0])

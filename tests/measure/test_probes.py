@@ -11,9 +11,10 @@ import torch
 
 import kvlab
 from conftest import tiny
-from kvlab.cache.fragments import clone_cache, tokenize
+from kvlab.cache.fragments import clone_cache, prefill_ids, tokenize
 from kvlab.errors import MergeError
 from kvlab.findings.longctx import make_set
+from kvlab.findings.qa import passage_fragments
 from kvlab.measure.metrics import kl_divergence
 from kvlab.measure.probes import read_probes
 from kvlab.measure.references import context_reference
@@ -210,7 +211,7 @@ def test_what_read_probes_refuses():
         read_probes(m, cache, PROBES, greedy=-1)
     with pytest.raises(MergeError, match="without a continuation"):
         _ = read_probes(m, cache, PROBES[:1])[0].token_log_probs
-    wide = kvlab.prefill_ids(m, torch.tensor([[1, 2, 3], [4, 5, 6]]))
+    wide = prefill_ids(m, torch.tensor([[1, 2, 3], [4, 5, 6]]))
     with pytest.raises(MergeError, match="batch size 1"):
         read_probes(m, wide, PROBES)
 
@@ -244,7 +245,7 @@ def assert_same_kls(m, ref, cache, probes, want, new, exact):
 
 def study_case(model, n_fragments, tokens, questions=3):
     s = make_set(model, n_fragments, tokens, seed=n_fragments, max_questions=questions)
-    frags, probes = kvlab.passage_fragments(model, s)
+    frags, probes = passage_fragments(model, s)
     return frags, probes
 
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import kvlab
 from kvlab.errors import StatsError
-from kvlab.measure.stats import holm, mean_ci, paired_diff_ci, paired_p, proportion_ci
+from kvlab.measure.stats import fmt_ci, gap_closed_ci, holm, mean_ci, paired_diff_ci, paired_p, proportion_ci
 
 
 def clustered(rng, caches: int, per: int, between: float = 1.0, within: float = 0.3):
@@ -81,18 +80,18 @@ def test_gap_closed_is_one_minus_the_ratio_of_means_resampled_in_pairs():
     rng = np.random.default_rng(0)
     caches = np.repeat(np.arange(20), 6)
     baseline = rng.gamma(2.0, 1.0, caches.size)
-    half = kvlab.gap_closed_ci(baseline / 2, baseline, clusters=caches)
+    half = gap_closed_ci(baseline / 2, baseline, clusters=caches)
     # Treated is exactly half the baseline, pair by pair: every resample's ratio is 0.5.
     assert half.mean == pytest.approx(0.5) and half.lo == pytest.approx(0.5) and half.hi == pytest.approx(0.5)
     assert half.n == 120 and half.n_clusters == 20
-    noisy = kvlab.gap_closed_ci(baseline * rng.uniform(0.2, 0.8, caches.size), baseline, clusters=caches)
+    noisy = gap_closed_ci(baseline * rng.uniform(0.2, 0.8, caches.size), baseline, clusters=caches)
     assert noisy.lo < noisy.mean < noisy.hi and 0.2 < noisy.lo and noisy.hi < 0.8
-    worse = kvlab.gap_closed_ci(baseline * 1.5, baseline)
+    worse = gap_closed_ci(baseline * 1.5, baseline)
     assert worse.mean == pytest.approx(-0.5)
-    with pytest.raises(kvlab.StatsError, match="positive mean"):
-        kvlab.gap_closed_ci([0.0, 0.0], [0.0, 0.0])
-    with pytest.raises(kvlab.StatsError, match="equal lengths"):
-        kvlab.gap_closed_ci([1.0], [1.0, 2.0])
+    with pytest.raises(StatsError, match="positive mean"):
+        gap_closed_ci([0.0, 0.0], [0.0, 0.0])
+    with pytest.raises(StatsError, match="equal lengths"):
+        gap_closed_ci([1.0], [1.0, 2.0])
 
 
 def test_the_cluster_bootstrap_keeps_every_question_of_a_drawn_cache():
@@ -145,8 +144,6 @@ def test_a_rate_by_cache_never_collapses_even_when_every_cache_agrees():
 
 def test_one_formatter_for_intervals_and_their_file_form():
     c = mean_ci([1.0, 2.0, 3.0], clusters=[0, 0, 1])
-    assert kvlab.fmt_ci(c, ".2f") == kvlab.fmt_ci(c.as_dict(), ".2f") == f"{c.mean:.2f} [{c.lo:.2f}, {c.hi:.2f}]"
-    assert (
-        kvlab.fmt_ci(None) == "-" and kvlab.fmt_ci({"mean": 0.5, "lo": 0.25, "hi": 1}, "+.0%") == "+50% [+25%, +100%]"
-    )
-    assert format(c, ".2f") == kvlab.fmt_ci(c, ".2f") + " (n=3, caches=2)"
+    assert fmt_ci(c, ".2f") == fmt_ci(c.as_dict(), ".2f") == f"{c.mean:.2f} [{c.lo:.2f}, {c.hi:.2f}]"
+    assert fmt_ci(None) == "-" and fmt_ci({"mean": 0.5, "lo": 0.25, "hi": 1}, "+.0%") == "+50% [+25%, +100%]"
+    assert format(c, ".2f") == fmt_ci(c, ".2f") + " (n=3, caches=2)"

@@ -9,6 +9,7 @@ import pytest
 import kvlab
 from conftest import tiny
 from kvlab.errors import MergeError
+from kvlab.measure.fidelity import merge_times
 
 
 def fragments():
@@ -19,7 +20,7 @@ def fragments():
 def test_both_clocks_time_every_repeat():
     m, frags = fragments()
     for clock in ("wall", "cpu"):
-        times = kvlab.merge_times(m, frags, "rerotate", repeats=3, clock=clock)
+        times = merge_times(m, frags, "rerotate", repeats=3, clock=clock)
         assert len(times) == 3 and all(t > 0 for t in times)
 
 
@@ -35,11 +36,11 @@ def test_the_cpu_clock_does_not_count_waiting(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(fidelity, "merge", waiting)
-    assert min(kvlab.merge_times(m, frags, "naive", repeats=2, clock="wall")) >= 0.05
-    assert max(kvlab.merge_times(m, frags, "naive", repeats=2, clock="cpu")) < 0.04
+    assert min(merge_times(m, frags, "naive", repeats=2, clock="wall")) >= 0.05
+    assert max(merge_times(m, frags, "naive", repeats=2, clock="cpu")) < 0.04
 
 
 def test_a_clock_it_does_not_know_is_refused():
     m, frags = fragments()
     with pytest.raises(MergeError, match="'wall' or 'cpu'"):
-        kvlab.merge_times(m, frags, "naive", clock="monotonic")
+        merge_times(m, frags, "naive", clock="monotonic")

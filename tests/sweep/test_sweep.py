@@ -17,7 +17,8 @@ import torch
 
 import kvlab
 from kvlab.cli import main as cli
-from kvlab.findings.records import make_record
+from kvlab.errors import StudyError
+from kvlab.findings.records import make_record, read_records
 from kvlab.sweep.point import run_point
 from kvlab.sweep.run import plan, run_study
 from kvlab.sweep.study import load_study
@@ -93,7 +94,7 @@ def test_grid_writes_reports_and_a_summary_page(grid):
     for rec in result.records:
         folder = study.output / "points" / rec["point"]
         assert (folder / "notebook.html").stat().st_size > 1000
-        assert kvlab.read_records(folder / "notebook.ipynb") and f"points/{rec['point']}/notebook.html" in index
+        assert read_records(folder / "notebook.ipynb") and f"points/{rec['point']}/notebook.html" in index
     plots = sorted(p.name for p in (study.output / "plots").glob("*.png"))
     assert plots == [
         "phase_error_max__model_name.png",
@@ -256,7 +257,7 @@ def test_bad_studies_are_refused_naming_the_key_and_nothing_runs(tmp_path, capsy
     if words is None:
         assert len(load_study(path).points) == 1
         return
-    with pytest.raises(kvlab.StudyError) as e:
+    with pytest.raises(StudyError) as e:
         load_study(path)
     assert words in str(e.value) and isinstance(e.value, kvlab.KvlabError)
     assert cli(["sweep", str(path)]) == 2
@@ -283,7 +284,7 @@ def test_grid_zip_and_repeats_expand_into_distinct_points(tmp_path):
 def test_unknown_notebook_names_the_suite(tmp_path):
     path = tmp_path / "s.toml"
     path.write_text('notebook = "01_phase_eror"\n[grid]\nseed = [0]\n')
-    with pytest.raises(kvlab.StudyError, match="key 'notebook': unknown notebook '01_phase_eror'.*01_phase_error"):
+    with pytest.raises(StudyError, match="key 'notebook': unknown notebook '01_phase_eror'.*01_phase_error"):
         load_study(path)
     path.write_text('notebook = "01_phase_error"\n[grid]\nn_fragments = [3, 4]\n')
     study = load_study(path)  # a suite name resolves to notebooks/
