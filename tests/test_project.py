@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 import tomllib
+import types
 from pathlib import Path
 
 import torch
@@ -50,9 +52,61 @@ def test_readme_starts_with_the_two_commands():
     assert "make report" in head and "make test" in head
 
 
-def test_public_api_is_exported():
+#: What a user of the package calls, and nothing else (docs/ARCHITECTURE.md).
+PUBLIC_API = {
+    # errors a caller of the functions below catches
+    "KvlabError", "ModelError", "UnsupportedModelError", "UnsupportedRopeError", "MergeError", "PositionError",
+    "FingerprintMismatch", "CacheFileError", "CacheFileWarning", "PeerError", "AuditTargetError",
+    # models
+    "DEFAULT_MODEL", "LoadedModel", "load_model", "load_gguf_file", "wrap", "model_names", "layer_ropes",
+    "rotate_keys",
+    # fragments
+    "Fragment", "prefill", "joined_prefill", "tokenize",
+    # strategies, merge, shift
+    "Strategy", "Naive", "Fail", "Reprefill", "Rerotate", "Recompute", "register", "strategy_names",
+    "merge", "landing_positions", "shift_",
+    # cache files
+    "save_cache", "load_cache", "verify_file", "read_header", "fingerprint", "Difference", "STRICT_FIELDS",
+    # certificates
+    "Certificate", "certify", "audit",
+    # measures
+    "Case", "fidelity", "Fidelity", "mismatch_kl", "MismatchResult", "variants", "read_probes", "ProbeRead",
+    "CI", "mean_ci", "paired_diff_ci", "proportion_ci",
+}  # fmt: skip
+
+#: Plumbing once exported at the top; each is reached through its module now, and only there.
+PLUMBING = {
+    "kvlab.cache.fragments": ["clone_cache", "new_cache", "prefill_ids", "prefill_tokens", "set_length"],
+    "kvlab.cache.strategies": ["STRATEGIES"],
+    "kvlab.measure.case": ["FidelityReference"],
+    "kvlab.measure.fidelity": ["merge_seconds", "merge_times"],
+    "kvlab.measure.mismatch": ["VARIANT_KINDS"],
+    "kvlab.measure.stats": ["paired_p", "holm", "gap_closed_ci", "fmt_ci"],
+    "kvlab.findings.evalset": ["EvalSet", "Question", "generate_evalset"],
+    "kvlab.findings.qa": ["ask", "passage_fragments"],
+    "kvlab.findings.records": ["read_records", "record"],
+    "kvlab.lab.kernel": ["KERNEL_NAME", "kernel_name"],
+    "kvlab.sweep.study": ["load_study"],
+    "kvlab.errors": ["KernelMissing", "RecordError", "ReportError", "StudyError", "StatsError", "EvalSetError"],
+}
+
+
+def test_public_api_is_what_a_user_calls():
+    assert len(kvlab.__all__) == len(set(kvlab.__all__))
+    assert set(kvlab.__all__) == PUBLIC_API
     for name in kvlab.__all__:
         assert hasattr(kvlab, name), name
+    # Nothing else at the top but the layers' own packages and modules: no plumbing comes back.
+    extra = {n for n, v in vars(kvlab).items() if not n.startswith("_") and not isinstance(v, types.ModuleType)}
+    assert extra == PUBLIC_API, sorted(extra ^ PUBLIC_API)
+
+
+def test_plumbing_has_one_home_its_module():
+    for module, names in PLUMBING.items():
+        for name in names:
+            assert hasattr(importlib.import_module(module), name), f"{module}.{name}"
+            assert not hasattr(kvlab, name), f"kvlab.{name} is back at the top; reach it as {module}.{name}"
+    assert not hasattr(kvlab, "generate") and not hasattr(importlib.import_module("kvlab.findings.evalset"), "generate")
 
 
 def test_cli_models_and_bad_model():
