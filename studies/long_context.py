@@ -29,6 +29,7 @@ import kvlab  # noqa: E402
 from kvlab.atomic import atomic_write_text  # noqa: E402
 from kvlab.findings import longctx, strata  # noqa: E402
 from kvlab.findings.rows import write_rows  # noqa: E402
+from kvlab.measure.stats import holm  # noqa: E402
 
 CI_KEYS = ("kl", "span_kl", "nll", "em", "agree", "ref_em", "agree_right")
 
@@ -53,7 +54,7 @@ def write(out: Path, model, args, rows, timings, profile, started, keep: dict | 
     for family in ("pooled", "by kind"):
         names = [n for n, (f, _, _) in named.items() if f == family]
         found = [longctx.named_paired(rows, "naive", "rerotate", named[n][2], where=named[n][1]) for n in names]
-        for n, (c, p), adj in zip(names, found, kvlab.measure.stats.holm([p for _, p in found])):
+        for n, (c, p), adj in zip(names, found, holm([p for _, p in found])):
             diffs[n] = {**c.as_dict(), "p": p, "p_holm": adj, "family": f"naive - rerotate, {family}"}
     for k in sorted(t for t in timings if isinstance(t, int)):
         recompute = next(s for s in dict.fromkeys(r["strategy"] for r in rows) if s.startswith("recompute"))
