@@ -46,7 +46,8 @@ from kvlab.findings.qa import ask, passage_fragments
 from kvlab.findings.records import read_records, record
 from kvlab.lab.kernel import KERNEL_NAME, kernel_name
 from kvlab.measure.case import Case, FidelityReference
-from kvlab.measure.certify import Certificate, certify
+from kvlab.measure.certificate import Certificate
+from kvlab.measure.certify import certify
 from kvlab.measure.fidelity import Fidelity, fidelity, merge_seconds, merge_times
 from kvlab.measure.mismatch import VARIANT_KINDS, MismatchResult, mismatch_kl, variants
 from kvlab.measure.probes import ProbeRead, read_probes

@@ -37,8 +37,11 @@ from kvlab.files.identity import fingerprint, package_versions
 from kvlab.measure.audit.compare import next_log_probs
 from kvlab.measure.audit.lines import guarded, refusal_line
 from kvlab.measure.audit.target import ENGINE, Target, TargetRaised, resolve
-from kvlab.measure.certify import FAIL, FLOOR_BOUND, INFO, PASS, Certificate, Line, TokenSource, exact_twin
+from kvlab.measure.certificate import FAIL, INFO, PASS, Certificate, Line
+from kvlab.measure.certify import FLOOR_BOUND
 from kvlab.measure.metrics import kl_divergence
+from kvlab.measure.tokens import TokenSource
+from kvlab.measure.twin import exact_twin
 from kvlab.models.loaded import LoadedModel
 from kvlab.peers.kshift import CacheLayout, refusal_layouts
 from kvlab.peers.llama_cpp import LlamaEngine, requantize
@@ -88,7 +91,7 @@ def _phase_reference(engine: LlamaEngine, ids: list[torch.Tensor], probes: list[
 @torch.inference_mode()
 def exact_reads(twin: LoadedModel, ids: list[torch.Tensor], probes: list[torch.Tensor]) -> list[torch.Tensor]:
     """The phase reference in exact arithmetic: each fragment prefilled alone at its landing positions by
-    :func:`~kvlab.measure.certify.exact_twin`, concatenated, and each probe read on top.
+    :func:`~kvlab.measure.twin.exact_twin`, concatenated, and each probe read on top.
 
     Returns
     -------
