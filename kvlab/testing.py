@@ -106,7 +106,7 @@ def assert_engine_merge_conforms(
     Parameters
     ----------
     fn : callable or str
-        A merge that drives llama.cpp through :class:`kvlab.peers.llama_cpp.LlamaEngine`, or
+        A merge that drives llama.cpp through :class:`kvlab.peers.engine.LlamaEngine`, or
         ``MODULE:NAME``; default llama.cpp's own cache reuse.
     model : str or LoadedModel
         A model with a GGUF file (``kvlab models``: SmolLM2 or Gemma 3).

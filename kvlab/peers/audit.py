@@ -43,9 +43,10 @@ from kvlab.measure.metrics import kl_divergence
 from kvlab.measure.tokens import TokenSource
 from kvlab.measure.twin import exact_twin
 from kvlab.models.loaded import LoadedModel
+from kvlab.peers.engine import LlamaEngine
 from kvlab.peers.kshift import CacheLayout, refusal_layouts
-from kvlab.peers.llama_cpp import LlamaEngine, requantize
 from kvlab.peers.mapping import engine_for, model_gguf
+from kvlab.peers.quantize import requantize
 
 #: Fragment sizes of the phase line: three short ones, and two whose second lands far out.
 FRAGMENT_SETS = ((40, 56, 24), (448, 64))
@@ -61,7 +62,7 @@ EXACT = {"kv_type": "f32", "flash_attn": False}
 
 
 def llama_cpp_cache_reuse(engine: LlamaEngine, fragments: list) -> None:
-    """llama.cpp's own merge (``--cache-reuse``): :meth:`~kvlab.peers.llama_cpp.LlamaEngine.shift_merge`."""
+    """llama.cpp's own merge (``--cache-reuse``): :meth:`~kvlab.peers.engine.LlamaEngine.shift_merge`."""
     engine.shift_merge(fragments)
 
 
