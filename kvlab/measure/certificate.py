@@ -1,8 +1,8 @@
-"""The certificate as a record: its :class:`Line` s, their statuses, the JSON and the table ``kvlab certify`` prints.
+"""The certificate as a record: its lines and their statuses, its JSON, and the table ``kvlab certify`` prints.
 
 Every check of :mod:`kvlab.measure.certify` (and of the audits of :mod:`kvlab.measure.audit` and
-:mod:`kvlab.peers.audit`) comes back as :class:`Line` s; a :class:`Certificate` holds them with the
-model's fingerprint and says whether any failed or was refused.
+:mod:`kvlab.peers.audit`) comes back as lines (:class:`Line`); a :class:`Certificate` holds them
+with the model's fingerprint and says whether any failed or was refused.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from kvlab.files.identity import package_versions
 #: Version of the certificate's JSON layout.
 CERTIFICATE_VERSION = 1
 
+#: A line's status: within its bound, past it, refused by kvlab (so not certified), nothing to measure, information.
 PASS, FAIL, REFUSED, NA, INFO = "pass", "FAIL", "REFUSED", "n/a", "info"
 
 
