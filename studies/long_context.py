@@ -14,7 +14,6 @@ it finished. On a terminal a progress bar counts the fragment counts done.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import sys
@@ -27,8 +26,9 @@ import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import kvlab  # noqa: E402
-from kvlab.atomic import atomic_path, atomic_write_text  # noqa: E402
+from kvlab.atomic import atomic_write_text  # noqa: E402
 from kvlab.findings import longctx, strata  # noqa: E402
+from kvlab.findings.rows import write_rows  # noqa: E402
 
 CI_KEYS = ("kl", "span_kl", "nll", "em", "agree", "ref_em", "agree_right")
 
@@ -36,10 +36,7 @@ CI_KEYS = ("kl", "span_kl", "nll", "em", "agree", "ref_em", "agree_right")
 def write(out: Path, model, args, rows, timings, profile, started, keep: dict | None = None):
     """Write the CSV, the JSON summary and the figures; ``keep``: JSON fields carried over unchanged."""
     name = model.name
-    with atomic_path(out / f"long_context_{name}.csv") as tmp, open(tmp, "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_rows(out / f"long_context_{name}.csv", rows)
     summary = longctx.json_ready(longctx.summarize(rows))
     by_offset = longctx.json_ready(longctx.summarize(rows, ("n_fragments", "strategy", "answer_passage")))
     by_kind = longctx.json_ready(longctx.summarize(rows, ("n_fragments", "strategy", "kind")))

@@ -10,6 +10,7 @@ is the unit that varies, so every interval resamples caches, each with all its q
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from kvlab.files.io import load_cache, save_cache
 from kvlab.findings.evalset import Question
 from kvlab.findings.longctx import make_set
 from kvlab.findings.qa import passage_texts
+from kvlab.findings.rows import read_rows
 from kvlab.measure.mismatch import mismatch_kl
 from kvlab.measure.stats import CI, fmt_ci, mean_ci, paired_diff_ci, proportion_ci
 from kvlab.models.loaded import LoadedModel
@@ -246,3 +248,89 @@ def conclusions(
             + "."
         )
     return out
+
+
+def committed_path(results: str | Path, model_name: str, suffix: str = "csv") -> Path:
+    """Where the full-scale run of this study (``studies/foreign_readers.py``) keeps ``model_name``'s rows or summary."""
+    return Path(results) / f"foreign_readers_{model_name}.{suffix}"
+
+
+def row_dicts(rows: list[dict]) -> list[dict]:
+    """The rows as committed: one per (reader, cache, question), the cache id and the question's index in it."""
+    seen: dict[tuple, int] = {}
+    out = []
+    for r in rows:
+        i = seen[r["reader"], r["cache"]] = seen.get((r["reader"], r["cache"]), -1) + 1
+        out.append({"reader": r["reader"], "cache": r["cache"], "question": i, **{k: r[k] for k in ("kind", *METRICS)}})
+    return out
+
+
+def markdown_table(rows: list[dict], readers: list[str], *, seed: int = 0) -> str:
+    """The per-reader table in Markdown (``results/README.md``), with the two-stage answer-span interval beside it.
+
+    The two-stage bootstrap also resamples questions within each drawn cache: a sensitivity
+    column (``docs/statistics.md``), wider where questions in a cache are correlated.
+    """
+    ci = summarize(rows, seed=seed)
+    head = (
+        "| reader | first-token KL, nats [95% CI] | answer-span KL, nats/token [95% CI] | "
+        "answer NLL change, nats [95% CI] | top-1 flips [95% CI] | answer-span KL, two-stage CI |"
+    )
+    out = [head, "|---|---|---|---|---|---|"]
+    for kind in readers:
+        rs = [r for r in rows if r["reader"] == kind]
+        f = ci[kind, "flip"]
+        two = mean_ci([r["span_kl"] for r in rs], clusters=[r["cache"] for r in rs], seed=seed, two_stage=True)
+        out.append(
+            f"| {kind} | {fmt_ci(ci[kind, 'kl'])} | {fmt_ci(ci[kind, 'span_kl'])} | {fmt_ci(ci[kind, 'dnll'], '+.3f')} "
+            f"| {sum(r['flip'] for r in rs)}/{len(rs)} [{f.lo:.2f}, {f.hi:.2f}] | [{two.lo:.4f}, {two.hi:.4f}] |"
+        )
+    return "\n".join(out)
+
+
+def at_scale(rows: list[dict], meta: dict, where: str, *, seed: int = 0) -> list[str]:
+    """What the committed full-scale run shows, recomputed from its rows: one line per reader, then the named comparison."""
+    unread = meta.get("unreadable", {})
+    finite = [k for k in dict.fromkeys(r["reader"] for r in rows) if k not in unread]
+    rows = [r for r in rows if r["reader"] in finite]
+    ci = summarize(rows, seed=seed)
+    n = len(rows) // max(1, len(finite))
+    out = [
+        f"{meta['model']}, {n} questions over {len({r['cache'] for r in rows})} caches per reader "
+        f"({where}; {meta['cpu']}; {meta['command']}):"
+    ]
+    for k in finite:
+        out.append(
+            f"{k}: answer-span KL {fmt_ci(ci[k, 'span_kl'])} nats/token, answer NLL change "
+            f"{fmt_ci(ci[k, 'dnll'], '+.3f')} nats, top-1 flips {fmt_ci(ci[k, 'flip'], '.3f')}"
+        )
+    out += [f"{k}: no finite KL (its own prefill {'is finite' if ok else 'overflows'})" for k, ok in unread.items()]
+    a, b = meta["primary"]
+    if a in finite and b in finite:
+        d = paired(rows, a, b, seed=seed)
+        out.append(
+            f"named comparison {a} - {b} answer-span KL {fmt_ci(d, '+.3f')} nats/token (paired, {d.n_clusters} caches): "
+            + ("resolved" if d.excludes(0) else "not resolved")
+        )
+    return out
+
+
+def committed_markdown(folder: str | Path, models: tuple[str, ...]) -> str:
+    """``results/README.md``'s foreign-reader tables, recomputed from each model's committed rows under ``folder``."""
+    out = []
+    for name in models:
+        path = committed_path(folder, name)
+        if not path.exists():
+            continue
+        meta = json.loads(committed_path(folder, name, "json").read_text())
+        rows = read_rows(path)
+        finite = [k for k in meta["readers"] if k not in meta["unreadable"]]
+        out += [f"#### {name}", "", at_scale(rows, meta, f"results/{path.name}")[0], ""]
+        out += [markdown_table([r for r in rows if r["reader"] in finite], finite), ""]
+        for k, own_finite in meta["unreadable"].items():
+            why = "finite, its reading of the foreign cache is not" if own_finite else "not finite (an overflow)"
+            out += [f"{k}: no finite KL on {name}; the reader's own prefill is {why}.", ""]
+        a, b = meta["primary"]
+        if a in finite and b in finite:
+            out += ["The " + at_scale(rows, meta, "")[-1] + ".", ""]
+    return "\n".join(out).rstrip() + "\n"

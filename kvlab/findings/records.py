@@ -1,6 +1,7 @@
 """Findings as data: a notebook records each key number, a sweep reads it back.
 
-``record(name, value, unit=..., ci=..., n=...)`` displays one output carrying the finding twice:
+``record(name, value, unit=..., ci=..., n=...)`` (or ``record(name, ci, unit=...)`` with a
+:class:`kvlab.CI`, which carries its mean, interval, n and caches) displays one output carrying the finding twice:
 JSON under ``application/vnd.kvlab.record+v1+json`` (sorted keys, floats at 6 significant
 digits, NaN and infinities as strings) and one ``text/plain`` line for people and nbval.
 ``read_records(path)`` returns the JSON payloads of an executed notebook in display order.
@@ -15,6 +16,7 @@ import numbers
 from pathlib import Path
 
 from kvlab.errors import RecordError
+from kvlab.measure.stats import CI
 
 MIME_TYPE = "application/vnd.kvlab.record+v1+json"
 SIGNIFICANT_DIGITS = 6
@@ -68,6 +70,9 @@ def _plain(x, name: str, key: str):
 def make_record(name: str, value, *, unit: str = "", ci=None, n=None, **extra) -> dict:
     """The JSON payload ``record`` displays (validated, rounded, sorted keys when dumped).
 
+    ``value`` may be a :class:`kvlab.CI`: its mean is the value, its bounds the interval, its
+    ``n`` the count and its ``n_clusters`` the extra ``caches``; ``ci`` and ``n`` are then refused.
+
     Returns
     -------
     dict with keys ``name``, ``value``, ``unit``, ``ci_low``, ``ci_high``, ``n``, ``extra``.
@@ -76,6 +81,15 @@ def make_record(name: str, value, *, unit: str = "", ci=None, n=None, **extra) -
         raise RecordError(f"a record needs a non-empty string name, got {name!r}")
     if not isinstance(unit, str):
         raise RecordError(f"record {name!r}: unit must be a string, got {type(unit).__name__}")
+    if isinstance(value, CI):
+        if ci is not None or n is not None:
+            raise RecordError(
+                f"record {name!r}: a CI carries its own interval and n; give ci= and n= only with a number"
+            )
+        ci, n = (value.lo, value.hi), value.n
+        if value.n_clusters is not None:
+            extra.setdefault("caches", value.n_clusters)
+        value = value.mean
     v = _number(value, "value", name)
     lo = hi = None
     if ci is not None:
@@ -125,7 +139,8 @@ def record(
     Parameters
     ----------
     name : metric name, e.g. ``"phase_error_low"``; one notebook should use each name once.
-    value : a number (Python, numpy or one-element torch scalar; NaN allowed).
+    value : a number (Python, numpy or one-element torch scalar; NaN allowed), or a
+        :class:`kvlab.CI`, which brings its interval, n and caches (then no ``ci`` or ``n``).
     unit : unit of ``value`` (``"rad"``, ``"nats"``, ``""`` when dimensionless).
     ci : optional (low, high) 95% interval or range over seeds.
     n : optional sample count behind ``value`` and ``ci``.

@@ -21,9 +21,9 @@ Read from the rows a study committed (``results/long_context_<model>.csv``); no 
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 
+from kvlab.findings import rows as committed
 from kvlab.findings.longctx import pairs
 from kvlab.measure.stats import fmt_ci, holm, paired_diff_ci, paired_p
 
@@ -35,22 +35,9 @@ METRICS = ("span_kl", "nll", "em")
 TEXT = {"question", "kind", "strategy", "answer", "truth", "ref_answer"}
 
 
-def typed(value: str):
-    """A CSV cell back as the bool, int or float it was written from (else the string)."""
-    if value in ("True", "False"):
-        return value == "True"
-    for cast in (int, float):
-        try:
-            return cast(value)
-        except ValueError:
-            pass
-    return value
-
-
 def read_rows(path: str | Path) -> list[dict]:
-    """The rows of a study's per-question CSV, typed back."""
-    with open(path, newline="") as fh:
-        return [{k: v if k in TEXT else typed(v) for k, v in r.items()} for r in csv.DictReader(fh)]
+    """The rows of the long-context study's per-question CSV, typed back (:func:`kvlab.findings.rows.read_rows`)."""
+    return committed.read_rows(path, TEXT)
 
 
 def merges(rows: list[dict]) -> list[dict]:

@@ -101,3 +101,15 @@ def test_read_records_refuses_what_is_not_a_notebook(tmp_path):
     (tmp_path / "bad.ipynb").write_text("not json")
     with pytest.raises(kvlab.RecordError, match="not a readable notebook"):
         kvlab.read_records(tmp_path / "bad.ipynb")
+
+
+def test_a_ci_is_recorded_with_its_interval_n_and_caches():
+    from kvlab.errors import RecordError
+    from kvlab.measure.stats import mean_ci
+
+    c = mean_ci([0.1, 0.2, 0.4, 0.3, 0.5, 0.6], clusters=[0, 0, 1, 1, 2, 2])
+    rec = make_record("span_kl", c, unit="nats/token")
+    by_hand = make_record("span_kl", c.mean, unit="nats/token", ci=(c.lo, c.hi), n=c.n, caches=c.n_clusters)
+    assert rec == by_hand and rec["n"] == 6 and rec["extra"] == {"caches": 3}
+    with pytest.raises(RecordError, match="a CI carries its own interval"):
+        make_record("span_kl", c, ci=(0.0, 1.0))

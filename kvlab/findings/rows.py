@@ -1,0 +1,45 @@
+"""A study's per-question rows as committed CSV: written whole or not at all, read back typed.
+
+Every study commits one row per question and strategy (or reader), with the id of the cache it
+was read behind, so anyone can recompute an interval from ``results/`` without running a model.
+Floats are written as Python's ``repr``, which reads back to the same double, so an interval
+recomputed from the file is the interval the study printed, digit for digit.
+"""
+
+from __future__ import annotations
+
+import csv
+from collections.abc import Iterable
+from pathlib import Path
+
+from kvlab.atomic import atomic_path
+
+
+def typed(value: str):
+    """A CSV cell back as the bool, int or float it was written from (else the string)."""
+    if value in ("True", "False"):
+        return value == "True"
+    for cast in (int, float):
+        try:
+            return cast(value)
+        except ValueError:
+            pass
+    return value
+
+
+def write_rows(path: str | Path, rows: list[dict]) -> Path:
+    """Write ``rows`` (dicts with the same keys, in order) to the CSV ``path``, atomically."""
+    if not rows:
+        raise ValueError(f"no rows to write to {path}")
+    with atomic_path(Path(path)) as tmp, open(tmp, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    return Path(path)
+
+
+def read_rows(path: str | Path, text: Iterable[str] = ()) -> list[dict]:
+    """The rows of a study's per-question CSV, typed back; columns in ``text`` stay strings (an answer "1893")."""
+    keep = set(text)
+    with open(path, newline="") as fh:
+        return [{k: v if k in keep else typed(v) for k, v in r.items()} for r in csv.DictReader(fh)]
