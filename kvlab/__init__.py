@@ -33,7 +33,8 @@ from kvlab.files.identity import STRICT_FIELDS, Difference, fingerprint
 from kvlab.files.io import load_cache, save_cache
 from kvlab.measure.audit.run import audit
 from kvlab.measure.case import Case
-from kvlab.measure.certify import Certificate, certify
+from kvlab.measure.certificate import Certificate
+from kvlab.measure.certify import certify
 from kvlab.measure.fidelity import Fidelity, fidelity
 from kvlab.measure.mismatch import MismatchResult, mismatch_kl, variants
 from kvlab.measure.probes import ProbeRead, read_probes

@@ -12,7 +12,7 @@ Also kvlab's own merge, shift and cache files behind the same contract (:func:`r
 
 Each helper runs :func:`kvlab.measure.audit.run.audit` and raises ``AssertionError`` whose message
 is the certificate's failing lines (check, scope, value beside bound, and what was wrong), so a
-failing test says which defect it found. It returns the :class:`~kvlab.measure.certify.Certificate`
+failing test says which defect it found. It returns the :class:`~kvlab.measure.certificate.Certificate`
 when every line passes. Models named here are loaded once per process.
 """
 
@@ -27,7 +27,7 @@ from kvlab.cache.merge import merge
 from kvlab.cache.shift import shift_
 from kvlab.files.io import load_cache, save_cache
 from kvlab.measure.audit.run import audit
-from kvlab.measure.certify import Certificate
+from kvlab.measure.certificate import Certificate
 from kvlab.models.loaded import LoadedModel
 from kvlab.models.sources import load_model, wrap
 from kvlab.peers.audit import audit_engine, llama_cpp_cache_reuse
@@ -106,7 +106,7 @@ def assert_engine_merge_conforms(
     Parameters
     ----------
     fn : callable or str
-        A merge that drives llama.cpp through :class:`kvlab.peers.llama_cpp.LlamaEngine`, or
+        A merge that drives llama.cpp through :class:`kvlab.peers.engine.LlamaEngine`, or
         ``MODULE:NAME``; default llama.cpp's own cache reuse.
     model : str or LoadedModel
         A model with a GGUF file (``kvlab models``: SmolLM2 or Gemma 3).

@@ -41,8 +41,8 @@ INTERLEAVED = {
     "llama4_text",
 }
 
-#: How a family's rotary module hands ``cos``/``sin`` to its attention (read by the float64 twin
-#: of :mod:`kvlab.measure.certify`): ``cat`` ``cat(freqs, freqs)``; ``interleave``
+#: How a family's rotary module hands ``cos``/``sin`` to its attention (read by the float64 twin,
+#: :mod:`kvlab.measure.twin`, of ``kvlab certify``): ``cat`` ``cat(freqs, freqs)``; ``interleave``
 #: ``repeat_interleave(freqs, 2)``; ``sincos`` GPT-J's ``(sin, cos)`` of ``r/2`` each;
 #: ``complex`` one ``exp(i freqs)`` per pair.
 EMITS = {

@@ -285,7 +285,7 @@ def load_gguf_file(path: str | os.PathLike, dtype: torch.dtype = torch.float32, 
     catalogue model's loads as that model, with the same fingerprint as loading it by name.
     Any other file is checked (config, modules) before a weight is read; its fingerprint's
     source names the file and carries its sha256, so two files differing in any byte are
-    different producers (a requantisation by :func:`kvlab.peers.llama_cpp.requantize`, say). The
+    different producers (a requantisation by :func:`kvlab.peers.quantize.requantize`, say). The
     rotation self-test runs in :func:`load_model`.
 
     Parameters

@@ -37,12 +37,16 @@ from kvlab.files.identity import fingerprint, package_versions
 from kvlab.measure.audit.compare import next_log_probs
 from kvlab.measure.audit.lines import guarded, refusal_line
 from kvlab.measure.audit.target import ENGINE, Target, TargetRaised, resolve
-from kvlab.measure.certify import FAIL, FLOOR_BOUND, INFO, PASS, Certificate, Line, TokenSource, exact_twin
+from kvlab.measure.certificate import FAIL, INFO, PASS, Certificate, Line
+from kvlab.measure.certify import FLOOR_BOUND
 from kvlab.measure.metrics import kl_divergence
+from kvlab.measure.tokens import TokenSource
+from kvlab.measure.twin import exact_twin
 from kvlab.models.loaded import LoadedModel
+from kvlab.peers.engine import LlamaEngine
 from kvlab.peers.kshift import CacheLayout, refusal_layouts
-from kvlab.peers.llama_cpp import LlamaEngine, requantize
 from kvlab.peers.mapping import engine_for, model_gguf
+from kvlab.peers.quantize import requantize
 
 #: Fragment sizes of the phase line: three short ones, and two whose second lands far out.
 FRAGMENT_SETS = ((40, 56, 24), (448, 64))
@@ -58,7 +62,7 @@ EXACT = {"kv_type": "f32", "flash_attn": False}
 
 
 def llama_cpp_cache_reuse(engine: LlamaEngine, fragments: list) -> None:
-    """llama.cpp's own merge (``--cache-reuse``): :meth:`~kvlab.peers.llama_cpp.LlamaEngine.shift_merge`."""
+    """llama.cpp's own merge (``--cache-reuse``): :meth:`~kvlab.peers.engine.LlamaEngine.shift_merge`."""
     engine.shift_merge(fragments)
 
 
@@ -88,7 +92,7 @@ def _phase_reference(engine: LlamaEngine, ids: list[torch.Tensor], probes: list[
 @torch.inference_mode()
 def exact_reads(twin: LoadedModel, ids: list[torch.Tensor], probes: list[torch.Tensor]) -> list[torch.Tensor]:
     """The phase reference in exact arithmetic: each fragment prefilled alone at its landing positions by
-    :func:`~kvlab.measure.certify.exact_twin`, concatenated, and each probe read on top.
+    :func:`~kvlab.measure.twin.exact_twin`, concatenated, and each probe read on top.
 
     Returns
     -------

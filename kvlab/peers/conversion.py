@@ -13,8 +13,9 @@ import numpy as np
 
 from kvlab.measure.metrics import kl_divergence
 from kvlab.models.loaded import LoadedModel
-from kvlab.peers.llama_cpp import LlamaEngine, requantize
+from kvlab.peers.engine import LlamaEngine
 from kvlab.peers.mapping import engine_for, interval, kvlab_log_probs, model_gguf, token_ids
+from kvlab.peers.quantize import requantize
 
 #: Prompts for conversion fidelity: varied topics and lengths, each read from BOS.
 CONVERSION_PROBES = [

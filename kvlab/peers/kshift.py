@@ -10,7 +10,7 @@ import torch
 from kvlab.errors import PeerError
 from kvlab.findings import longctx
 from kvlab.models.loaded import LoadedModel
-from kvlab.peers.llama_cpp import QUANTISED_KV_TYPES
+from kvlab.peers.engine import QUANTISED_KV_TYPES
 from kvlab.peers.mapping import engine_for, token_ids
 from kvlab.peers.merges import MergeRow, compare_reads, engine_reads, short_number
 
@@ -140,7 +140,7 @@ def quantised_shift_table(
     lengths : sequence of int
         Tokens per fragment (two fragments).
     kv_types : sequence of str
-        K cache types (:data:`kvlab.peers.llama_cpp.KV_TYPES`).
+        K cache types (:data:`kvlab.peers.engine.KV_TYPES`).
     refusals : bool
         Also try :func:`refusal_layouts` and record llama.cpp's reasons as refused rows.
     swa_full : bool

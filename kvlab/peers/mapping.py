@@ -13,7 +13,7 @@ from kvlab.measure.stats import mean_ci
 from kvlab.models.gguf import GGUF_MODELS
 from kvlab.models.loaded import LoadedModel, cache_root
 from kvlab.models.tiny import TINY_CONFIGS
-from kvlab.peers.llama_cpp import LlamaEngine
+from kvlab.peers.engine import LlamaEngine
 
 
 def gguf_path(name: str) -> Path:

@@ -13,8 +13,9 @@ from kvlab.measure.case import FidelityReference
 from kvlab.measure.fidelity import fidelity
 from kvlab.measure.metrics import kl_divergence
 from kvlab.models.loaded import LoadedModel
-from kvlab.peers.llama_cpp import LlamaEngine, requantize
+from kvlab.peers.engine import LlamaEngine
 from kvlab.peers.mapping import engine_for, has_bos, interval, model_gguf, token_ids
+from kvlab.peers.quantize import requantize
 
 
 @dataclass

@@ -12,6 +12,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvlab.models.gguf import real_model_names
+from kvlab.models.loaded import quiet_transformers
+from kvlab.models.sources import convert_gguf_file
+from kvlab.peers.mapping import gguf_path
+from kvlab.peers.quantize import requantize
+
 #: The requantisations notebook 06 and tests/peers run: the reader of another producer, and
 #: the F32 copy for the conversion and K-shift checks.
 PREPARED_FTYPES = ("Q4_0", "F32")
@@ -37,12 +43,6 @@ def prepare(names: list[str] | None = None) -> dict[str, dict[str, Path]]:
     PeerError
         llama.cpp missing, or a requantisation it refuses.
     """
-    from kvlab.models.gguf import real_model_names
-    from kvlab.models.loaded import quiet_transformers
-    from kvlab.models.sources import convert_gguf_file
-    from kvlab.peers.llama_cpp import requantize
-    from kvlab.peers.mapping import gguf_path
-
     done = {}
     for name in real_model_names(names):
         src = gguf_path(name)

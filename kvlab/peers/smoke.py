@@ -12,7 +12,7 @@ import sys
 
 CHILD = """
 from kvlab.models.gguf import GGUF_MODELS
-from kvlab.peers.llama_cpp import LlamaEngine
+from kvlab.peers.engine import LlamaEngine
 spec = GGUF_MODELS["smollm2-135m"]
 with LlamaEngine(spec.locate(spec), n_ctx=64, n_seq_max=1, n_threads=2) as engine:
     logp = engine.read(engine.tokenize("The keeper logged every ship"))

@@ -12,7 +12,7 @@ from kvlab.errors import FingerprintMismatch, PeerError
 from kvlab.files.io import load_cache, save_cache
 from kvlab.measure.metrics import kl_divergence
 from kvlab.models.loaded import LoadedModel
-from kvlab.peers.llama_cpp import LlamaEngine
+from kvlab.peers.engine import LlamaEngine
 from kvlab.peers.mapping import engine_for, has_bos, token_ids
 
 

@@ -18,13 +18,18 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import threading
 import time
 import warnings
 from pathlib import Path
 
+import psutil
+
 from kvlab.atomic import atomic_path, atomic_write_text
+from kvlab.findings.records import read_records, rounded
+from kvlab.lab.kernel import kernel_name
 from kvlab.lab.provenance import model_digest, versions
 
 # papermill warns of an output name without ".ipynb": a point's notebook is written under kvlab's
@@ -64,8 +69,6 @@ def _error_text(e: BaseException) -> str:
 
 def _kill_kernel(km) -> None:
     """SIGKILL a kernel and its children; nbclient then raises DeadKernelError in the executing thread."""
-    import psutil
-
     pid = getattr(getattr(km, "provisioner", None), "pid", None)
     if pid is None:
         return
@@ -94,8 +97,6 @@ def execute(task: dict, folder: Path) -> tuple[str, str | None]:
     """
     import papermill as pm
     from jupyter_client import AsyncKernelManager
-
-    from kvlab.lab.kernel import kernel_name
 
     started: list = []
 
@@ -160,8 +161,6 @@ def execute(task: dict, folder: Path) -> tuple[str, str | None]:
 
 
 def _json_ready(records: list[dict]) -> list[dict]:
-    from kvlab.findings.records import rounded
-
     return [
         dict(r, **{k: rounded(r[k]) if isinstance(r[k], float) else r[k] for k in ("value", "ci_low", "ci_high")})
         for r in records
@@ -217,10 +216,6 @@ def point_record(
 
 def run_point(task: dict) -> dict:
     """Execute one point (``task`` as built by the sweep) and return the record it wrote."""
-    import logging
-
-    from kvlab.findings.records import read_records
-
     # papermill logs a killed kernel as an error; the point's record carries it instead.
     logging.getLogger("papermill").setLevel(logging.CRITICAL)
     folder = Path(task["folder"])

@@ -10,8 +10,10 @@ at the same paths (one machine, or a shared filesystem) and have kvlab installed
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import hashlib
+import importlib.metadata as md
 import logging
 import os
 import subprocess
@@ -20,8 +22,11 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 from kvlab.sweep.point import RECORD_FORMAT, point_record, read_json, run_point, write_json
 from kvlab.sweep.study import Study, load_study
+from kvlab.sweep.summary import write_summary
 
 #: Memory limit per local worker. The worker itself stays small (it loads each model once
 #: for its digest, 0.6 GB for SmolLM2 in fp32); the notebook kernel it starts is a child
@@ -74,8 +79,6 @@ def _git_commit() -> str | None:
 
 def code_identity(notebook: Path) -> dict:
     """What a point's results depend on besides its parameters (resume compares all of it)."""
-    import importlib.metadata as md
-
     try:
         version = md.version("kvlab")
     except md.PackageNotFoundError:
@@ -97,8 +100,6 @@ def plan(study: Study, out: Path, force: bool = False) -> tuple[list[dict], list
     code = code_identity(study.notebook)
     default_model = study.declared.get("model_name", {}).get("default")
     if isinstance(default_model, str):
-        import ast
-
         try:
             default_model = ast.literal_eval(default_model)
         except (ValueError, SyntaxError):
@@ -140,8 +141,6 @@ def local_workers(requested: int | None, n_points: int) -> int:
     """Workers for a LocalCluster: as asked, else as many as cores and memory allow."""
     if requested is not None:
         return max(1, requested)
-    import psutil
-
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     by_memory = int(psutil.virtual_memory().available // (WORKER_MEMORY + KERNEL_MEMORY))
     return max(1, min(cores, by_memory, n_points))
@@ -200,8 +199,6 @@ def run_study(
 ) -> SweepResult:
     """Run every point of ``study`` that has no current record; write results.csv and index.html."""
     from tqdm.auto import tqdm
-
-    from kvlab.sweep.summary import write_summary
 
     out = study.output
     out.mkdir(parents=True, exist_ok=True)

@@ -98,10 +98,12 @@ def _num(v) -> float:
 
 def _plot(path: Path, metric: str, unit: str, axis: str, others: list[str], points: list[tuple[dict, dict]]) -> None:
     """metric vs one swept parameter; one series per combination of the other swept parameters."""
-    import matplotlib
+    # matplotlib (the lab extra) is slow to import and picks its backend when pyplot is imported: on first use, with
+    # the file backend, so that importing this module changes no notebook's backend.
+    import matplotlib  # noqa: PLC0415 - see above
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 - see above
 
     xs_all = [p[axis] if axis in p else rep for p, rep in ((pp, None) for pp, _ in points)]
     numeric = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in xs_all)

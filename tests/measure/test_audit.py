@@ -22,7 +22,7 @@ from kvlab.cli import main
 from kvlab.errors import AuditTargetError
 from kvlab.measure.audit.run import audit
 from kvlab.measure.audit.target import SIGNATURES, Target, TargetRaised, load_object
-from kvlab.measure.certify import FAIL, NA, PASS, REFUSED
+from kvlab.measure.certificate import FAIL, NA, PASS, REFUSED
 from kvlab.models.tiny import TINY_CONFIGS
 from kvlab.testing import assert_merge_conforms, assert_shift_conforms, assert_store_conforms
 

@@ -10,7 +10,8 @@ import pytest
 import kvlab
 from conftest import tiny
 from kvlab.cli import main
-from kvlab.measure.certify import FAIL, PASS, REFUSED, certify
+from kvlab.measure.certificate import FAIL, PASS, REFUSED
+from kvlab.measure.certify import certify
 from kvlab.models.gguf import GGUF_MODELS
 from kvlab.models.tiny import TINY_CONFIGS
 

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import IN_CI
 from kvlab.cli import main
-from kvlab.measure.certify import FAIL, PASS
+from kvlab.measure.certificate import FAIL, PASS
 from kvlab.peers import llama_cpp as glue
 from kvlab.peers.audit import audit_engine, llama_cpp_cache_reuse
 from kvlab.testing import assert_engine_merge_conforms

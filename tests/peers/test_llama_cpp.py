@@ -19,10 +19,11 @@ from conftest import GEMMA_MISSING, GEMMA_REASON, IN_CI, missing, tiny
 from kvlab.measure.metrics import kl_divergence
 from kvlab.peers import llama_cpp as glue
 from kvlab.peers.conversion import CONVERSION_PROBES, conversion_fidelity
+from kvlab.peers.engine import KV_TYPES, QUANTISED_KV_TYPES, LlamaEngine
 from kvlab.peers.kshift import quantised_shift_table
-from kvlab.peers.llama_cpp import LlamaEngine, requantize
 from kvlab.peers.mapping import check_vocab, engine_for, gguf_path
 from kvlab.peers.merges import merge_side_by_side
+from kvlab.peers.quantize import requantize
 from kvlab.peers.state import state_file_study
 
 # In CI (`make test` installs the extra) a missing llama-cpp-python fails these tests instead.
@@ -228,13 +229,13 @@ def test_kvlab_peers_takes_a_gguf_path_like_check_does(monkeypatch, capsys):
 @needs_llama
 def test_kv_types_are_llama_cpps_ggml_types():
     L = glue.lib()
-    assert glue.KV_TYPES == {
+    assert KV_TYPES == {
         "f32": L.GGML_TYPE_F32,
         "f16": L.GGML_TYPE_F16,
         "q8_0": L.GGML_TYPE_Q8_0,
         "q4_0": L.GGML_TYPE_Q4_0,
     }
-    assert set(glue.QUANTISED_KV_TYPES) <= set(glue.KV_TYPES)
+    assert set(QUANTISED_KV_TYPES) <= set(KV_TYPES)
 
 
 @needs_llama
@@ -243,7 +244,7 @@ def test_kv_types_are_accepted_or_refused_by_name(engine):
         LlamaEngine(engine.path, type_k="q5_7")
     with pytest.raises(kvlab.PeerError, match="kv_type must be one of .* got 'int8'"):
         LlamaEngine(engine.path, kv_type="int8")
-    for t in glue.QUANTISED_KV_TYPES:
+    for t in QUANTISED_KV_TYPES:
         with LlamaEngine(engine.path, n_ctx=256, n_seq_max=1, type_k=t) as eng:
             assert (eng.type_k, eng.type_v) == (t, "f16")
         # llama.cpp's own refusal, with the types it was asked for.
@@ -283,7 +284,7 @@ def test_a_quantised_k_shift_costs_more_than_an_f16_one(smollm2):
     assert q4.k_shift.kl_mean > 3 * f16.k_shift.kl_mean and q4.quantisation.kl_mean > 0
     assert q8.quantisation.kl_mean > 0
     refused = [c for c in cells if c.refused]
-    assert [c.layout.type_v for c in refused] == list(glue.QUANTISED_KV_TYPES)
+    assert [c.layout.type_v for c in refused] == list(QUANTISED_KV_TYPES)
     assert all(f"V cache {c.layout.type_v}" in c.refused and "flash_attn" in c.refused for c in refused)
     assert json.loads(json.dumps([c.row() for c in cells], default=float))[0]["k_shift"]["kls"] == f16.k_shift.kls
 

@@ -21,8 +21,8 @@ import torch
 from transformers import DynamicCache
 
 from kvlab.cache.fragments import new_cache, set_length
-from kvlab.measure.certify import beyond_by_kind
 from kvlab.measure.metrics import phase_error
+from kvlab.measure.phase import beyond_by_kind
 from kvlab.models.layout import layer_ropes
 from kvlab.models.loaded import LoadedModel
 
@@ -117,7 +117,7 @@ def key_error_by_kind(
     Three parts, each ``<= 1`` when the slot is the exact one to the fragments' own noise
     ``floor`` (relative, of the layer's largest value):
 
-    * ``angle``: :func:`kvlab.measure.certify.beyond_by_kind` (for a NoPE layer, ``elements``:
+    * ``angle``: :func:`kvlab.measure.phase.beyond_by_kind` (for a NoPE layer, ``elements``:
       both of its slots element by element);
     * ``pair norm``: ``| |x| - |y| |`` of every rotary pair over ``sqrt(2) * floor * max |y|``
       (a rotation keeps a pair's norm; the pair's element noise bounds how far it moves);

@@ -20,7 +20,8 @@ from kvlab.cache.fragments import Fragment, clone_cache, prefill_tokens
 from kvlab.cache.merge import landing_positions
 from kvlab.errors import PeerError, UnsupportedRopeError
 from kvlab.measure.audit.target import TargetRaised, describe_failure
-from kvlab.measure.certify import FAIL, PASS, REFUSED, Line, TokenSource
+from kvlab.measure.certificate import FAIL, PASS, REFUSED, Line
+from kvlab.measure.tokens import TokenSource
 from kvlab.models.layout import layer_ropes
 from kvlab.models.loaded import LoadedModel
 from kvlab.models.rope import check_composable

@@ -4,7 +4,7 @@
 fragments prefilled alone from position 0 and held to:
 
 * ``phase``, per layer kind: every fragment's phase-carrying slot against the exact keys where it
-  lands (the float64 model, :func:`kvlab.measure.certify.exact_landing`), in units of the
+  lands (the float64 model, :func:`kvlab.measure.twin.exact_landing`), in units of the
   fragments' own fp32 noise: the angle of every rotary pair, its norm, and the dimensions no
   rotation touches (:func:`kvlab.measure.audit.compare.key_error_by_kind`);
 * ``values``: the other slot is the fragments' own, untouched;
@@ -59,24 +59,14 @@ from kvlab.measure.audit.lines import (
 )
 from kvlab.measure.audit.target import Target, TargetRaised, expect_cache
 from kvlab.measure.case import DEFAULT_ANSWERS, Case
-from kvlab.measure.certify import (
-    FAIL,
-    FLOOR_BOUND,
-    INFO,
-    LENGTHS,
-    PASS,
-    REFUSED,
-    Line,
-    TokenSource,
-    exact_landing,
-    exact_twin,
-    identity_fragments,
-    position_limit,
-    sliding_line,
-    sliding_window,
-)
+from kvlab.measure.certificate import FAIL, INFO, PASS, REFUSED, Line
+from kvlab.measure.certify import FLOOR_BOUND
 from kvlab.measure.metrics import REL_KEY_NOISE, kl_divergence
+from kvlab.measure.phase import LENGTHS
+from kvlab.measure.sliding import identity_fragments, sliding_line, sliding_window
 from kvlab.measure.span import span_scores
+from kvlab.measure.tokens import TokenSource, position_limit
+from kvlab.measure.twin import exact_landing, exact_twin
 from kvlab.models.layout import layer_ropes
 from kvlab.models.loaded import LoadedModel
 

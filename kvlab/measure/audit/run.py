@@ -2,7 +2,7 @@
 
 :func:`audit` resolves every target first (an :class:`~kvlab.errors.AuditTargetError` before any
 work when one cannot be audited), then runs each audit and returns one
-:class:`~kvlab.measure.certify.Certificate`: the same lines, bounds, JSON and exit codes as the
+:class:`~kvlab.measure.certificate.Certificate`: the same lines, bounds, JSON and exit codes as the
 model's own certificate, with the transformers version it ran under as its first line.
 """
 
@@ -16,7 +16,7 @@ from kvlab.measure.audit.merge import LENGTHS, audit_merge
 from kvlab.measure.audit.shift import audit_shift
 from kvlab.measure.audit.store import audit_store
 from kvlab.measure.audit.target import MERGE, SHIFT, STORE, resolve
-from kvlab.measure.certify import INFO, Certificate, Line
+from kvlab.measure.certificate import INFO, Certificate, Line
 from kvlab.models.loaded import LoadedModel
 
 

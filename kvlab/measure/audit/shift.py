@@ -43,8 +43,11 @@ from kvlab.measure.audit.lines import (
     refused_detail,
 )
 from kvlab.measure.audit.target import Target, TargetRaised, expect_cache
-from kvlab.measure.certify import FAIL, PASS, REFUSED, Line, TokenSource, exact_twin, position_limit, sliding_window
+from kvlab.measure.certificate import FAIL, PASS, REFUSED, Line
 from kvlab.measure.metrics import REL_KEY_NOISE
+from kvlab.measure.sliding import sliding_window
+from kvlab.measure.tokens import TokenSource, position_limit
+from kvlab.measure.twin import exact_twin
 from kvlab.models.layout import layer_ropes
 from kvlab.models.loaded import LoadedModel
 

@@ -29,8 +29,11 @@ from kvlab.cache.merge import merge
 from kvlab.errors import UnsupportedRopeError
 from kvlab.measure.audit.lines import Unfit, guarded
 from kvlab.measure.audit.target import Store, TargetRaised, expect_cache
-from kvlab.measure.certify import FAIL, NA, PASS, Line, TokenSource, identity_fragments, unequal_elements
+from kvlab.measure.certificate import FAIL, NA, PASS, Line
+from kvlab.measure.certify import unequal_elements
 from kvlab.measure.mismatch import variants
+from kvlab.measure.sliding import identity_fragments
+from kvlab.measure.tokens import TokenSource
 from kvlab.models.loaded import LoadedModel
 
 #: Seconds the child process of the pickle line may take to load before it counts as hung.

@@ -9,7 +9,7 @@ The contract (``docs/audit.md``), in the shape stores use:
   positions, in place (returning ``None`` or the cache) or into a new cache it returns.
 * store: an object with ``save(cache, path)`` (or ``save(cache, path, model)``) and
   ``load(path)`` (or ``load(path, model)``), the model being the one that reads.
-* engine merge: ``fn(engine, fragments)``: ``engine`` a :class:`kvlab.peers.llama_cpp.LlamaEngine`
+* engine merge: ``fn(engine, fragments)``: ``engine`` a :class:`kvlab.peers.engine.LlamaEngine`
   (one llama.cpp context, one sequence per fragment), ``fragments`` the token ids ``[L_i]`` of each
   fragment in landing order. Leaves the merge in sequence 0, as llama.cpp's ``--cache-reuse`` does
   (audited by :mod:`kvlab.peers.audit`, through logits: llama.cpp's cache is not read as tensors).
