@@ -20,14 +20,19 @@ keep the attention of the last question token (the one that predicts the answer'
 over the cached context, averaged over layers and heads: its mass on the fragment holding the
 answer, on the last fragment, on the later fragments' first tokens, and on the very first token.
 
-Comparisons, paired over the same questions, 95% cluster bootstrap over sets, Holm within the
-family of all twelve (4 per count):
+The regions (the answer's fragment, the last fragment) leave out each fragment's first token,
+which is counted apart (``first_tokens``: the first tokens of fragments 1..k-1).
 
-1. ``first_tokens``, naive - rerotate: sinks predict > 0;
-2. ``last``, rerotate - joined, on questions whose answer is not in the last fragment: recency
+Comparisons, paired over the same questions, 95% cluster bootstrap over sets, Holm within the
+family of all fifteen (5 per count):
+
+1. ``first_tokens``, naive - rerotate: if the sinks are made by the phase, > 0;
+2. ``first_tokens``, rerotate - joined: the draw of the fragments' first tokens that no rotation
+   changes (in the joined prefill these tokens sit mid-sequence);
+3. ``last``, rerotate - naive, on questions whose answer is not in the last fragment: recency
    capture predicts > 0;
-3. ``answer``, rerotate - joined, same questions: recency capture predicts < 0;
-4. ``answer``, naive - joined, same questions.
+4. ``answer``, rerotate - joined, same questions: recency capture predicts < 0;
+5. ``answer``, naive - joined, same questions.
 
     .venv/bin/python studies/attention_mass.py --sets 20          # writes results/attention_mass_<model>.csv/.json
     .venv/bin/python studies/attention_mass.py --markdown         # the table, from the committed rows
@@ -61,7 +66,8 @@ MASSES = ("answer", "last", "first_tokens", "sink")
 #: (measure, a, b, only questions whose answer is not in the last fragment), named before the run.
 COMPARISONS = (
     ("first_tokens", "naive", "rerotate", False),
-    ("last", "rerotate", "joined", True),
+    ("first_tokens", "rerotate", "joined", False),
+    ("last", "rerotate", "naive", True),
     ("answer", "rerotate", "joined", True),
     ("answer", "naive", "joined", True),
 )
@@ -82,20 +88,29 @@ def masses(model, cache, probe: str, spans: list[tuple[int, int]], answer: int) 
     """
     ids = tokenize(model, probe)
     total = spans[-1][1]
-    out = model.model(
-        input_ids=ids[None],
-        position_ids=torch.arange(total, total + len(ids))[None],
-        cache=clone_cache(cache, model.config),
-        use_cache=True,
-        output_attentions=True,
-        logits_to_keep=1,
-    )
+    # Only eager attention returns its weights; the prefills and merges keep the model's own kernel.
+    before = model.model.config._attn_implementation
+    model.model.set_attn_implementation("eager")
+    try:
+        out = model.model(
+            input_ids=ids[None],
+            position_ids=torch.arange(total, total + len(ids))[None],
+            cache=clone_cache(cache, model.config),
+            use_cache=True,
+            output_attentions=True,
+            logits_to_keep=1,
+        )
+    finally:
+        model.model.set_attn_implementation(before)
     # [layers, heads, T + probe] -> mean over layers and heads, last query row, context slots only.
     att = torch.stack([a[0, :, -1, :] for a in out.attentions]).double().mean((0, 1))[:total]
-    firsts = [s for s, _ in spans[1:]]
+    # Every fragment's first token was a sequence's first token when it was prefilled, and draws
+    # attention as one (a sink) wherever it lands; the regions below leave those tokens out, so
+    # a region's mass is what its content draws.
+    firsts = [a for a, _ in spans[1:]]
     return {
-        "answer": float(att[spans[answer][0] : spans[answer][1]].sum()),
-        "last": float(att[spans[-1][0] :].sum()),
+        "answer": float(att[spans[answer][0] + 1 : spans[answer][1]].sum()),
+        "last": float(att[spans[-1][0] + 1 :].sum()),
         "first_tokens": float(att[firsts].sum()),
         "sink": float(att[0]),
     }
@@ -127,7 +142,7 @@ def set_rows(model, j: int, tokens: int, seed: int) -> list[dict]:
 
 
 def compare(rows: list[dict], seed: int = 0) -> list[dict]:
-    """The twelve named comparisons, each with its interval, raw p and Holm-adjusted p."""
+    """The fifteen named comparisons, each with its interval, raw p and Holm-adjusted p."""
     out = []
     for k in COUNTS:
         for measure, a, b, not_last in COMPARISONS:
@@ -185,7 +200,6 @@ def main() -> None:
         return
     setup(args.seed)
     model = kvlab.load_model(args.model)
-    model.model.set_attn_implementation("eager")  # only eager attention returns its weights
     started, rows = time.perf_counter(), []
     for j in range(args.sets):
         t0 = time.perf_counter()

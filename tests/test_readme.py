@@ -11,6 +11,7 @@ blocks are examples (paths that are the reader's, placeholders) and are not run.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import re
@@ -370,3 +371,19 @@ def test_notebook_06_numbers_on_the_page_are_its_stored_outputs():
     assert f"off by {shift[1]} on the Q4_1 file and\n  by {shift[2]} on the F32 copy" in page
     req = re.search(r"^state\s+Q4_0 requant\s+loads\s+(\S+)\s+(\S+)\s+(\d)/5", text, flags=re.M)
     assert f"KL {req[1]} nats mean\n  (max {req[2]}, top-1 flips on {req[3]} of 5 probes)" in page
+
+
+def test_attention_mass_tables_are_recomputed_from_the_committed_rows():
+    # The SmolLM2 puzzle's experiment (d): the page prints studies/attention_mass.py --markdown.
+    spec = importlib.util.spec_from_file_location("attention_mass", ROOT / "studies" / "attention_mass.py")
+    study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study)
+    from kvlab.findings.rows import read_rows
+
+    rows = read_rows(ROOT / "results" / "attention_mass_smollm2-135m.csv")
+    page = _section(ROOT / "results" / "README.md", "## Where the question looks")
+    assert study.table(rows) in page, "regenerate: studies/attention_mass.py --markdown"
+    assert len({r["set"] for r in rows}) == 10 and {r["n_fragments"] for r in rows} == {2, 4, 8}
+    # Teeth: one question's mass moved changes what is printed.
+    rows[0] = {**rows[0], "first_tokens": rows[0]["first_tokens"] + 0.5}
+    assert study.table(rows) not in page

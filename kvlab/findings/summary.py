@@ -107,8 +107,8 @@ def render(results: str | Path) -> str:
         "* **A reference that is often wrong:** the joined prefill is the exact result a merge is compared with, "
         "and it answers many questions wrong (finding 5).",
         "* **One fine-tune run:** the foreign-reader and fine-tune dose findings rest on a single fine-tuning run.",
-        "* **Summaries only for some sweeps:** naive_dose, recompute_curve, gemma_controls and finetune_dose "
-        "committed summaries, not per-question rows, so their intervals are not recomputed here.",
+        "* **Summaries only for some sweeps:** recompute_curve, gemma_controls and finetune_dose committed "
+        "summaries, not per-question rows, so their intervals are not recomputed here.",
         "",
         "## The strongest findings",
         "",
@@ -119,11 +119,13 @@ def render(results: str | Path) -> str:
         "## Open questions",
         "",
         f"* **The SmolLM2 puzzle.** At 2 × 512 a naive merge is closer to the joined prefill than rerotate "
-        f"(answer-span KL {fmt_ci(puzzle['ci'], '+.3f')}, {_n(puzzle['ci'])}). Attention sinks (each fragment's "
-        "first token) and recency capture (rerotate answering the later passage's question of the same kind) "
-        "both fit; settling it needs new runs: later fragments' first-token K/V removed or an APE-style shared "
-        "prefix, fragment order reversed, the query placed as Parallel Context Windows place it, and the attention "
-        "mass per fragment.",
+        f"(answer-span KL {fmt_ci(puzzle['ci'], '+.3f')}, {_n(puzzle['ci'])}). Where the question looks "
+        "(experiment d, [README.md](README.md#where-the-question-looks-the-smollm2-puzzle-experiment-d)): the "
+        "fragments' first tokens draw sink-like attention under both merges alike, so a sink made by the phase "
+        "does not separate them; rerotate's question looks at the last fragment more than naive's and the joined "
+        "prefill's, the pattern recency capture predicts. Tying that pattern to the answers needs the runs not "
+        "yet made: later fragments' first-token K/V removed, fragment order reversed, the query placed as "
+        "Parallel Context Windows place it.",
         "* **Offset or order?** naive_dose asks passage p ≥ 2 only when it is the last, so the landing-offset onset "
         "is confounded with 'the answer is in the last fragment'; the long-context strata follow order within "
         "the merge. A design asking every passage at every count separates them.",
