@@ -315,22 +315,28 @@ def test_a_study_notebook_beside_its_toml_runs_its_script(tmp_path):
     assert 0 < got["removed_r0.1"] < got["removed_r0.5"] <= 1 and 0.1 < got["r90"] <= 1
 
 
-def test_the_naive_dose_study_nests_its_counts_and_keeps_its_facts_across_lengths(tmp_path):
-    # studies/naive_dose.ipynb on a tiny model: both axes, two caches; the onsets come back from the records.
+def test_the_naive_dose_study_asks_every_passage_at_every_count_and_keeps_its_rows(tmp_path):
+    # studies/naive_dose.ipynb on a tiny model: both axes, two caches a count; the count axis's rows go to a CSV
+    # from which the sweep table recomputes every interval.
     nb = Path(__file__).resolve().parents[2] / "studies" / "naive_dose.ipynb"
     path = tmp_path / "dose.toml"
+    out = tmp_path / "out"
     path.write_text(
-        f'notebook = "{nb}"\noutput = "{tmp_path / "out"}"\n[parameters]\ncounts = [1, 2, 3]\ntokens = 48\n'
-        'lengths = [32, 64]\nlength_count = 3\nsets = 2\n[grid]\nmodel_name = ["tiny-llama"]\naxis = ["count", "length"]\n'
+        f'notebook = "{nb}"\noutput = "{out}"\n[parameters]\ncounts = [2, 4]\ntokens = 48\nlengths = [32, 64]\n'
+        f'length_count = 3\nsets = 2\nrows_dir = "{out}"\n[grid]\nmodel_name = ["tiny-llama"]\n'
+        'axis = ["count", "length"]\n'
     )
     result = run_study(load_study(path), workers=1, progress=False)
     assert not result.failed, result.failed
-    got = {(r["axis"], r["metric"]): r for r in read_csv(tmp_path / "out" / "results.csv")}
-    # One fragment is the joined prefill: naive - rerotate is exactly 0 there, over both caches.
-    assert float(got["count", "count_1"]["value"]) == 0.0 and got["count", "count_1"]["n"] == "4"
-    # Nested: the questions about passages 0 and 1 are asked again at 3 fragments.
-    assert got["count", "fixed_3"]["n"] == got["count", "fixed_2"]["n"] == "8"
-    assert {"offset_0", "offset_1", "offset_2"} <= {m for a, m in got if a == "count"}
+    got = {(r["axis"], r["metric"]): r for r in read_csv(out / "results.csv")}
+    # Every passage's two questions at every count, behind both sets' caches; count 1 is not run.
+    assert got["count", "counts_k2"]["n"] == "8" and got["count", "counts_k4"]["n"] == "16"
+    assert ("count", "counts_k1") not in got
+    assert {f"cells_k4_p{p}" for p in range(4)} | {"offsets_p3", "relative_early", "relative_late"} <= {
+        m for a, m in got if a == "count"
+    }
+    # Order at a fixed offset: passage 1 last of 2 against early of 4, paired by set and question kind.
+    assert got["count", "direct_d0"]["n"] == "4"
     assert {("length", "length_32"), ("length", "length_64")} <= set(got)
 
     import sys
@@ -340,8 +346,19 @@ def test_the_naive_dose_study_nests_its_counts_and_keeps_its_facts_across_length
         import naive_dose
     finally:
         sys.path.remove(str(nb.parent))
-    table = naive_dose.sweep_table(tmp_path / "out")
-    assert "tiny-llama, count axis" in table and "passage 2 (" in table and "tiny-llama, length axis" in table
+    rows = naive_dose.read_rows(out / "rows_tiny-llama.csv")
+    for k in (2, 4):
+        for j in (0, 1):
+            asked = {r["answer_passage"] for r in rows if r["n_fragments"] == k and r["set"] == j}
+            assert asked == set(range(k))
+    # The CSV gives back what the point recorded (records keep 6 significant digits).
+    doc = naive_dose.summarise_count(rows)
+    assert float(got["count", "cells_k4_p1"]["value"]) == pytest.approx(
+        doc["cells"]["k4_p1"]["span_kl"]["diff"]["mean"], rel=1e-5, abs=1e-9
+    )
+    table = naive_dose.sweep_table(out)
+    assert "tiny-llama, count axis" in table and "tiny-llama, length axis" in table
+    assert "last of 2 - early of 4" in table and "| 4, passage 3 (" in table
 
 
 def test_the_gemma_controls_study_reads_every_ablation(tmp_path):
