@@ -23,11 +23,11 @@ with "the answer is in the last fragment", and it pooled count 1 into passage 0)
 Every question is read behind ``naive``, ``rerotate`` and the joined prefill of the same tokens
 (the reference: KL 0; its exact match is the full-context ceiling). The comparison is
 ``naive - rerotate``, paired over the same questions, 95% cluster bootstrap over caches
-(:func:`kvlab.paired_diff_ci`) with its bootstrap p (:func:`kvlab.paired_p`), in answer-span KL
+(:func:`kvlab.measure.stats.paired_diff_ci`) with its bootstrap p (:func:`kvlab.measure.stats.paired_p`), in answer-span KL
 (nats per token of the true answer, teacher-forced; **primary**), first-token KL and exact match
 against the truth. Each is stated on every question of a cell and, beside it, on the questions
 the joined prefill answers right (the reference-right stratum). The families (Holm within each
-family, per metric and per stratum, :func:`kvlab.holm`):
+family, per metric and per stratum, :func:`kvlab.measure.stats.holm`):
 
 * ``counts``: per count, every question (3 comparisons);
 * ``cells``: per (count, passage) (2 + 4 + 8 = 14);
@@ -60,13 +60,12 @@ interval from those rows (the length points of the first design left only their 
 from __future__ import annotations
 
 import argparse
-import csv
 import time
 from pathlib import Path
 
 import kvlab
-from kvlab.atomic import atomic_path
 from kvlab.findings import longctx, strata
+from kvlab.findings import rows as committed
 from kvlab.findings.evalset import EvalSet
 from kvlab.findings.qa import ask, passage_fragments, passage_texts
 from kvlab.measure.stats import fmt_ci, holm, mean_ci, paired_diff_ci, paired_p, proportion_ci
@@ -170,11 +169,7 @@ def write_rows(rows: list[dict], folder, model_name: str) -> Path:
     """The per-question rows as ``<folder>/rows_<model>.csv`` (written whole, under a temporary name first)."""
     path = rows_path(folder, model_name)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(path) as tmp, open(tmp, "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    return path
+    return committed.write_rows(path, rows)
 
 
 def read_rows(path) -> list[dict]:
@@ -509,8 +504,11 @@ def _flat(d: dict, prefix: str = ""):
 
 
 def records(doc: dict) -> list[tuple[str, float, dict]]:
-    """``(name, value, keywords)`` for :func:`kvlab.record`: one per cell, its value the naive - rerotate answer-span
-    KL (everything else in flat extras); on the length axis also the onset (NaN where there is none)."""
+    """``(name, value, keywords)`` for :func:`kvlab.findings.records.record`: one per cell.
+
+    Its value is the naive - rerotate answer-span KL (everything else in flat extras); on the
+    length axis also the onset (NaN where there is none).
+    """
     out = []
     if doc["axis"] == "count":
         for fam in ("counts", "cells", "offsets", "relative", "direct"):

@@ -126,9 +126,11 @@ def render(results: str | Path) -> str:
         "prefill's, the pattern recency capture predicts. Tying that pattern to the answers needs the runs not "
         "yet made: later fragments' first-token K/V removed, fragment order reversed, the query placed as "
         "Parallel Context Windows place it.",
-        "* **Offset or order?** naive_dose asks passage p ≥ 2 only when it is the last, so the landing-offset onset "
-        "is confounded with 'the answer is in the last fragment'; the long-context strata follow order within "
-        "the merge. A design asking every passage at every count separates them.",
+        "* **Offset or order?** naive_dose now asks every passage at every count (2, 4, 8). On SmolLM2 the same "
+        "passage at the same offset changes the sign of naive − rerotate with its place in the merge (early: naive "
+        "closer to the joined prefill; late and last: rerotate closer), so order, not absolute offset, sets the "
+        "sign ([README.md](README.md#the-dose-response-of-a-naive-merge)). That rests on 4 sets (3 on Gemma 3, "
+        "where naive is worse everywhere); more sets, and which part of order matters, are open.",
         "* **The recompute curve's r90** is anchored at r = 1, but every policy reaches the joined prefill at "
         "r* = (N − L₀)/N ≈ 0.74; re-anchoring needs the per-question rows that sweep did not commit.",
         "* **Text nobody here wrote:** an external check on standard long-context haystacks (needle in a "
