@@ -79,7 +79,7 @@ PLUMBING = {
     "kvlab.cache.fragments": ["clone_cache", "new_cache", "prefill_ids", "prefill_tokens", "set_length"],
     "kvlab.cache.strategies": ["STRATEGIES"],
     "kvlab.measure.case": ["FidelityReference"],
-    "kvlab.measure.fidelity": ["merge_seconds", "merge_times"],
+    "kvlab.measure.fidelity": ["merge_clocks", "merge_seconds", "merge_times"],
     "kvlab.measure.mismatch": ["VARIANT_KINDS"],
     "kvlab.measure.stats": ["paired_p", "holm", "gap_closed_ci", "fmt_ci"],
     "kvlab.findings.evalset": ["EvalSet", "Question", "generate_evalset"],

@@ -7,6 +7,7 @@ a user-level ``python3`` kernel (another interpreter, other packages) cannot tak
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -58,3 +59,26 @@ def install(prefix: str = sys.prefix) -> Path:
     spec["argv"] = [a for a in spec["argv"] if a not in KERNEL_ARGS] + KERNEL_ARGS
     atomic_write_text(folder / "kernel.json", json.dumps(spec, indent=1) + "\n")
     return folder
+
+
+@functools.cache
+def quiet_kernel_manager() -> type:
+    """The kernel manager class kvlab's papermill runs start their kernels with.
+
+    jupyter_client sends SIGINT before every shutdown request, to break off code that is
+    still running. A kernel that has finished its last cell is idle, or nearly: the signal can
+    land while it is still sending the last reply, and ipykernel then logs ``KeyboardInterrupt
+    caught in kernel.`` at error level, on the terminal of whoever ran the report, about
+    nothing. This manager sends no SIGINT while shutting down; the shutdown request alone stops
+    an idle kernel, and jupyter_client kills one that does not answer it (after its
+    ``shutdown_wait_time``). An interrupt asked for at any other time (a cell's timeout) is sent.
+    """
+    from jupyter_client import AsyncKernelManager
+
+    class QuietShutdownKernelManager(AsyncKernelManager):
+        async def _async_interrupt_kernel(self) -> None:
+            if self.shutting_down:
+                return
+            await super()._async_interrupt_kernel()
+
+    return QuietShutdownKernelManager

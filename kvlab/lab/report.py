@@ -32,7 +32,7 @@ from markupsafe import Markup
 
 from kvlab.atomic import atomic_path, atomic_write_text
 from kvlab.errors import ReportError
-from kvlab.lab.kernel import kernel_name
+from kvlab.lab.kernel import kernel_name, quiet_kernel_manager
 from kvlab.lab.pages import render
 from kvlab.lab.provenance import model_digest, versions
 from kvlab.models.sources import looks_like_path
@@ -264,7 +264,13 @@ def _execute(src: Path, dst: Path, given: dict, kernel: str) -> tuple[str | None
     try:
         # Run with the notebook folder as working directory, as JupyterLab does.
         pm.execute_notebook(
-            str(src), str(dst), parameters=given, progress_bar=False, cwd=str(src.parent), kernel_name=kernel
+            str(src),
+            str(dst),
+            parameters=given,
+            progress_bar=False,
+            cwd=str(src.parent),
+            kernel_name=kernel,
+            kernel_manager_class=quiet_kernel_manager(),
         )
     except pm.PapermillExecutionError as e:
         error = f"{e.ename}: {e.evalue}"

@@ -14,6 +14,7 @@ import dataclasses
 import statistics
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from transformers import DynamicCache
 
@@ -88,6 +89,51 @@ class Fidelity:
         return out
 
 
+class MergeClocks(NamedTuple):
+    """Wall and CPU seconds of the same timed merges, in the order they ran."""
+
+    wall: list[float]
+    cpu: list[float]
+
+
+def merge_clocks(
+    model: LoadedModel,
+    fragments: list[Fragment],
+    strategy: str | Strategy,
+    *,
+    repeats: int = 5,
+    warmup: int = 1,
+    **options,
+) -> MergeClocks:
+    """Both clocks of ``repeats`` merges, after ``warmup`` untimed ones: one set of runs, read twice.
+
+    A first call pays one-time costs (allocator growth, rotation tables, lazy imports) that
+    are not the strategy's; a single cold timing of a 10 ms merge can come out slower than a
+    1 s prefill. Use these, not :attr:`Fidelity.merge_s`, for cost comparisons: the median
+    wall time is the cost to report, the minimum the one to compare when other work shares
+    the machine, since preemption only ever adds time (a 10 ms merge hit by one 10 ms time
+    slice doubles).
+
+    The CPU clock counts the CPU seconds of this process (every thread,
+    :func:`time.process_time`): time the process spent waiting for a core that other work
+    held is not counted, so an order of costs taken on a loaded machine is the order on a
+    quiet one.
+    """
+    if repeats < 1 or warmup < 0:
+        raise MergeError(f"merge timing needs repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
+    strat = resolve(strategy, **options)
+    for _ in range(warmup):
+        merge(fragments, strat, model)
+    out = MergeClocks([], [])
+    for _ in range(repeats):
+        w0, c0 = time.perf_counter(), time.process_time()
+        merge(fragments, strat, model)
+        c1, w1 = time.process_time(), time.perf_counter()
+        out.wall.append(w1 - w0)
+        out.cpu.append(c1 - c0)
+    return out
+
+
 def merge_times(
     model: LoadedModel,
     fragments: list[Fragment],
@@ -98,35 +144,10 @@ def merge_times(
     clock: str = "wall",
     **options,
 ) -> list[float]:
-    """Wall times (or ``clock="cpu"``: CPU times) in seconds of ``repeats`` merges, after ``warmup`` untimed ones.
-
-    A first call pays one-time costs (allocator growth, rotation tables, lazy imports) that
-    are not the strategy's; a single cold timing of a 10 ms merge can come out slower than a
-    1 s prefill. Use these, not :attr:`Fidelity.merge_s`, for cost comparisons: their median
-    is the cost to report, their minimum the one to compare when other work shares the
-    machine, since preemption only ever adds time (a 10 ms merge hit by one 10 ms time slice
-    doubles).
-
-    ``clock="cpu"`` counts the CPU seconds of this process (every thread,
-    :func:`time.process_time`) instead: time the process spent waiting for a core that other
-    work held is not counted, so an order of costs taken on a loaded machine is the order on a
-    quiet one.
-    """
-    if repeats < 1 or warmup < 0:
-        raise MergeError(f"merge timing needs repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
-    clocks = {"wall": time.perf_counter, "cpu": time.process_time}
-    if clock not in clocks:
+    """Wall times (or ``clock="cpu"``: CPU times) in seconds of ``repeats`` warm merges (:func:`merge_clocks`)."""
+    if clock not in MergeClocks._fields:
         raise MergeError(f"merge timing clock must be 'wall' or 'cpu', got {clock!r}")
-    now = clocks[clock]
-    strat = resolve(strategy, **options)
-    for _ in range(warmup):
-        merge(fragments, strat, model)
-    times = []
-    for _ in range(repeats):
-        t0 = now()
-        merge(fragments, strat, model)
-        times.append(now() - t0)
-    return times
+    return getattr(merge_clocks(model, fragments, strategy, repeats=repeats, warmup=warmup, **options), clock)
 
 
 def merge_seconds(

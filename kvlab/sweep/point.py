@@ -29,7 +29,7 @@ import psutil
 
 from kvlab.atomic import atomic_path, atomic_write_text
 from kvlab.findings.records import read_records, rounded
-from kvlab.lab.kernel import kernel_name
+from kvlab.lab.kernel import kernel_name, quiet_kernel_manager
 from kvlab.lab.provenance import model_digest, versions
 
 # papermill warns of an output name without ".ipynb": a point's notebook is written under kvlab's
@@ -96,11 +96,10 @@ def execute(task: dict, folder: Path) -> tuple[str, str | None]:
     bounds the whole notebook: when it passes, the kernel is killed and the point fails.
     """
     import papermill as pm
-    from jupyter_client import AsyncKernelManager
 
     started: list = []
 
-    class TrackedKernelManager(AsyncKernelManager):
+    class TrackedKernelManager(quiet_kernel_manager()):
         # The one way to reach the kernel papermill starts: nbclient builds it from this class.
         def __init__(self, *a, **kw):
             super().__init__(*a, **kw)

@@ -1,4 +1,4 @@
-"""merge_times: warm timings of a merge, on the wall clock or the process's CPU clock."""
+"""merge_clocks and merge_times: warm timings of a merge, on the wall clock and the process's CPU clock."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import kvlab
 from conftest import tiny
 from kvlab.errors import MergeError
-from kvlab.measure.fidelity import merge_times
+from kvlab.measure.fidelity import merge_clocks, merge_times
 
 
 def fragments():
@@ -44,3 +44,23 @@ def test_a_clock_it_does_not_know_is_refused():
     m, frags = fragments()
     with pytest.raises(MergeError, match="'wall' or 'cpu'"):
         merge_times(m, frags, "naive", clock="monotonic")
+
+
+def test_both_clocks_read_the_same_merges(monkeypatch):
+    # One set of runs, read on both clocks: every merge that waits shows on the wall clock and
+    # not on the CPU clock, and the merge runs warmup + repeats times, not twice that.
+    m, frags = fragments()
+    import kvlab.measure.fidelity as fidelity
+
+    real, calls = fidelity.merge, []
+
+    def waiting(*args, **kwargs):
+        calls.append(1)
+        time.sleep(0.05)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fidelity, "merge", waiting)
+    t = merge_clocks(m, frags, "naive", repeats=3, warmup=1)
+    assert len(calls) == 4 and len(t.wall) == len(t.cpu) == 3
+    assert min(t.wall) >= 0.05 and max(t.cpu) < 0.04
+    assert all(c <= w + 0.01 for w, c in zip(t.wall, t.cpu)), "each pair is one merge read on both clocks"
