@@ -55,10 +55,14 @@ prepare: setup
 	@echo "models: converting smollm2-135m's GGUF for transformers (about 40 s, once)"
 	$(VENV)/bin/kvlab models --prepare smollm2-135m
 
+# One conversion per model, each a target of its own: a conversion runs on one core (transformers
+# reads the GGUF in Python), so `make -j2` converts both models at once.
 REAL_MODELS := smollm2-135m gemma3-270m
-prepare-all: setup gemma
-	@echo "models: converting the GGUF files of $(REAL_MODELS) for transformers (about 90 s, once)"
-	$(VENV)/bin/kvlab models --prepare $(REAL_MODELS)
+CONVERT := $(REAL_MODELS:%=convert-%)
+prepare-all: $(CONVERT)
+$(CONVERT): convert-%: setup gemma
+	@echo "models: converting $*'s GGUF for transformers (under a minute, once)"
+	$(VENV)/bin/kvlab models --prepare $*
 
 # JupyterLab on the notebooks, with this venv as the kernel ("Python (kvlab)"). In a root shell
 # (a container) Jupyter refuses to start without --allow-root; it is added there only.
@@ -100,16 +104,27 @@ $(PEERS_STAMP): $(STAMP) $(LLAMA_WHEEL)
 	touch $@
 
 # The requantised copies llama.cpp's side runs (Q4_0, F32) and kvlab's conversion of the Q4_0 one,
-# made here once, not inside notebook 06 or a test. The first line compiles llama.cpp beside the
-# set-up and the conversions; pip installs stay one at a time (they share .venv).
+# made here once, not inside notebook 06 or a test; one target per model, two at once. The first
+# line compiles llama.cpp beside the set-up and the conversions; pip installs stay one at a time
+# (they share .venv).
+PEER_COPIES := $(REAL_MODELS:%=peer-copies-%)
+.PHONY: $(CONVERT) $(PEER_COPIES) prepare-report
+$(PEER_COPIES): peer-copies-%: peers
+	@echo "peers: llama.cpp's Q4_0 and F32 copies of $*, and kvlab's conversion of the Q4_0 one (about a minute, once)"
+	$(VENV)/bin/kvlab peers --prepare $*
+
 prepare-peers:
 	@$(MAKE) --no-print-directory -j2 prepare-all $(LLAMA_WHEEL)
 	@$(MAKE) --no-print-directory peers
-	@echo "peers: llama.cpp's Q4_0 and F32 copies of $(REAL_MODELS), and kvlab's conversion of the Q4_0 ones (about 3 minutes from nothing)"
-	$(VENV)/bin/kvlab peers --prepare $(REAL_MODELS)
+	@$(MAKE) --no-print-directory -j2 $(PEER_COPIES)
 
-# Notebook 06 runs llama.cpp and reads a state file with the other real model.
-report: prepare-peers
+# The default report runs on SmolLM2; notebook 06 also loads Gemma 3 (a model of another shape),
+# so both are converted, but only SmolLM2's llama.cpp copies are made (the tests use Gemma 3's).
+prepare-report:
+	@$(MAKE) --no-print-directory -j2 prepare-all $(LLAMA_WHEEL)
+	@$(MAKE) --no-print-directory peer-copies-smollm2-135m
+
+report: prepare-report
 	$(VENV)/bin/kvlab report --out reports
 
 # nbval re-runs every notebook and compares its printed numbers with the stored run. The suite

@@ -53,7 +53,8 @@ def run(args: argparse.Namespace) -> None:
             raise SystemExit("a producer did not reload its own cache bit-exact")
         rows = study.forced_reads(readers, caches)
         unreadable = study.unreadable(readers, rows, caches[0])
-    write_rows(study.committed_path(args.out, model.name), study.row_dicts(rows))
+    dicts = study.row_dicts(rows)
+    write_rows(study.committed_path(args.out, model.name), dicts)
     meta = {
         "model": model.name,
         "caches": args.caches,
@@ -68,7 +69,7 @@ def run(args: argparse.Namespace) -> None:
         "wall_s": round(time.perf_counter() - started, 1),
     }
     atomic_write_text(study.committed_path(args.out, model.name, "json"), json.dumps(meta, indent=1) + "\n")
-    print("\n".join(study.at_scale(study.row_dicts(rows), meta, "this run")))
+    print("\n".join(study.at_scale(dicts, meta, "this run")))
 
 
 def main() -> None:

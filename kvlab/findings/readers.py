@@ -325,12 +325,13 @@ def committed_markdown(folder: str | Path, models: tuple[str, ...]) -> str:
         meta = json.loads(committed_path(folder, name, "json").read_text())
         rows = read_rows(path)
         finite = [k for k in meta["readers"] if k not in meta["unreadable"]]
-        out += [f"#### {name}", "", at_scale(rows, meta, f"results/{path.name}")[0], ""]
+        lines = at_scale(rows, meta, f"results/{path.name}")
+        out += [f"#### {name}", "", lines[0], ""]
         out += [markdown_table([r for r in rows if r["reader"] in finite], finite), ""]
         for k, own_finite in meta["unreadable"].items():
             why = "finite, its reading of the foreign cache is not" if own_finite else "not finite (an overflow)"
             out += [f"{k}: no finite KL on {name}; the reader's own prefill is {why}.", ""]
         a, b = meta["primary"]
         if a in finite and b in finite:
-            out += ["The " + at_scale(rows, meta, "")[-1] + ".", ""]
+            out += ["The " + lines[-1] + ".", ""]
     return "\n".join(out).rstrip() + "\n"

@@ -7,6 +7,8 @@ load dequantizes the GGUF (slow) and keeps fp32 safetensors plus the tokenizer i
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import importlib.util
 import json
@@ -14,6 +16,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import torch
 from safetensors.torch import save_model
@@ -141,6 +144,24 @@ def converted_dir(name: str) -> Path | None:
     return folder if (folder / "kvlab-source.json").is_file() else None
 
 
+@contextlib.contextmanager
+def one_gguf_reader():
+    """Within the block, transformers reads each GGUF file's header once, not three times.
+
+    Its GGUF loader opens a new ``gguf.GGUFReader`` for the config, again for the weights and
+    again for the tokenizer, and rebuilds gguf's tensor-name map for every module it walks:
+    most of a conversion's time, on one core (docs/setup.md). A reader is a read-only view of
+    the file and the map a function of (architecture, layers) alone, so here each is built
+    once per file and reused. The converted weights are the same bytes either way.
+    """
+    import gguf  # noqa: PLC0415 - the gguf package: only to read a GGUF file
+
+    readers = functools.cache(gguf.GGUFReader)
+    name_maps = functools.cache(gguf.get_tensor_name_map)
+    with mock.patch.object(gguf, "GGUFReader", readers), mock.patch.object(gguf, "get_tensor_name_map", name_maps):
+        yield
+
+
 def _convert(spec: GGUFSpec, gguf: Path, sha: str, folder: Path, step: Callable[[str], None] = lambda s: None) -> None:
     """Dequantize the GGUF once and keep fp32 safetensors + tokenizer in ``folder``.
 
@@ -154,11 +175,12 @@ def _convert(spec: GGUFSpec, gguf: Path, sha: str, folder: Path, step: Callable[
     )
     # Another process finishing the same conversion first is fine: its folder is complete.
     with atomic_dir(folder) as tmp:
-        with quiet_gguf_reader():
-            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        step("tokenizer")
-        with quiet_gguf_reader():
-            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        with one_gguf_reader():
+            with quiet_gguf_reader():
+                model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+            step("tokenizer")
+            with quiet_gguf_reader():
+                tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         # The dequantized weights are plain fp32 now; the gguf quantization config would make
         # transformers treat the folder as still quantized.
         config = model.config

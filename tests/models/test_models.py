@@ -166,3 +166,20 @@ def test_sanitize_file_removes_the_conversion_notice_from_a_cell():
     for regex, replace in patterns:
         text = re.sub(regex, replace, text)
     assert text == "model smollm2-135m: 30 layers, dtype torch.float32\n"
+
+
+@pytest.mark.real
+def test_a_conversion_reads_each_gguf_header_once():
+    # transformers opens the file three times in a conversion (config, weights, tokenizer) and
+    # rebuilds the tensor-name map per module; inside one_gguf_reader both are built once.
+    import gguf
+
+    spec = models.GGUF_MODELS["smollm2-135m"]
+    path = str(spec.locate(spec))
+    assert gguf.GGUFReader(path) is not gguf.GGUFReader(path)  # the teeth: unshared outside
+    with models.one_gguf_reader():
+        first = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(path) is first
+        arch = gguf.MODEL_ARCH.LLAMA
+        assert gguf.get_tensor_name_map(arch, 30) is gguf.get_tensor_name_map(arch, 30)
+    assert gguf.GGUFReader(path) is not first, "shared only within the block"

@@ -16,12 +16,11 @@ import functools
 
 from transformers import DynamicCache
 
-from kvlab.cache.fragments import Fragment, clone_cache, prefill_tokens
+from kvlab.cache.fragments import Fragment, clone_cache
 from kvlab.cache.merge import landing_positions
 from kvlab.errors import PeerError, UnsupportedRopeError
 from kvlab.measure.audit.target import TargetRaised, describe_failure
 from kvlab.measure.certificate import FAIL, PASS, REFUSED, Line
-from kvlab.measure.tokens import TokenSource
 from kvlab.models.layout import layer_ropes
 from kvlab.models.loaded import LoadedModel
 from kvlab.models.rope import check_composable
@@ -113,11 +112,6 @@ def guarded(check: str, scope: str, bound, unit: str, measure, refusal: str | No
 def spans(frags: list[Fragment]) -> list[tuple[int, int, int]]:
     """``(start, length, landing)`` of each fragment of a merge, for :func:`kvlab_refusal`."""
     return [(f.start, f.length, land) for f, land in zip(frags, landing_positions(frags))]
-
-
-def fragments(model: LoadedModel, ids: TokenSource, sizes: list[int]) -> list[Fragment]:
-    """One fragment per size, each ``sizes[i]`` random tokens prefilled alone from position 0."""
-    return [prefill_tokens(model, ids(n)) for n in sizes]
 
 
 def caches(frags: list[Fragment]) -> list[DynamicCache]:

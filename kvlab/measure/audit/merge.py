@@ -47,7 +47,6 @@ from kvlab.measure.audit.lines import (
     Unfit,
     caches,
     dtype_line,
-    fragments,
     guarded,
     kvlab_refusal,
     model_refusal,
@@ -65,7 +64,7 @@ from kvlab.measure.metrics import REL_KEY_NOISE, kl_divergence
 from kvlab.measure.phase import LENGTHS
 from kvlab.measure.sliding import identity_fragments, sliding_line, sliding_window
 from kvlab.measure.span import span_scores
-from kvlab.measure.tokens import TokenSource, position_limit
+from kvlab.measure.tokens import TokenSource, position_limit, random_fragments
 from kvlab.measure.twin import exact_landing, exact_twin
 from kvlab.models.layout import layer_ropes
 from kvlab.models.loaded import LoadedModel
@@ -133,7 +132,7 @@ def audit_merge(model: LoadedModel, target: Target, *, lengths: tuple[int, ...] 
         "length", "get_seq_length and a forward pass", FLOOR_BOUND, "nats",
         lambda: _length(model, need(runs, none), probe),
     )  # fmt: skip
-    small = fragments(model, ids, sizes(min(lengths)))
+    small = random_fragments(model, ids, sizes(min(lengths)))
     lines += guarded(
         "by reference", "inputs after the merge and a forward pass", 0, "problems",
         lambda: _by_reference(model, target, small, probe), refusal,
@@ -171,7 +170,7 @@ def _phase(
     floors, refused = [], []
     try:
         for n in lengths:
-            frags = fragments(model, ids, sizes(n))
+            frags = random_fragments(model, ids, sizes(n))
             refusal = kvlab_refusal(model, spans(frags))
             try:
                 run = MergeRun(target, model, frags)
@@ -353,7 +352,7 @@ def _empty(model: LoadedModel, target: Target) -> list[Line]:
 def _refusal(target: Target) -> list[Line]:
     """Fragments of a model whose rotations do not compose are refused, not merged."""
     dyn = refusal_model()
-    frags = fragments(dyn, TokenSource(dyn, 0), [8, 8])
+    frags = random_fragments(dyn, TokenSource(dyn, 0), [8, 8])
     return refusal_line(
         f"2 fragments of {dyn.name} (dynamic NTK)",
         lambda: target.call(caches(frags), dyn.model),

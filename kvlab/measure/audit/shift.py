@@ -33,7 +33,6 @@ from kvlab.measure.audit.lines import (
     Unfit,
     caches,
     dtype_line,
-    fragments,
     guarded,
     kvlab_refusal,
     model_refusal,
@@ -46,7 +45,7 @@ from kvlab.measure.audit.target import Target, TargetRaised, expect_cache
 from kvlab.measure.certificate import FAIL, PASS, REFUSED, Line
 from kvlab.measure.metrics import REL_KEY_NOISE
 from kvlab.measure.sliding import sliding_window
-from kvlab.measure.tokens import TokenSource, position_limit
+from kvlab.measure.tokens import TokenSource, position_limit, random_fragments
 from kvlab.measure.twin import exact_twin
 from kvlab.models.layout import layer_ropes
 from kvlab.models.loaded import LoadedModel
@@ -83,7 +82,7 @@ def audit_shift(model: LoadedModel, target: Target, *, tokens: int = TOKENS, see
     ids = TokenSource(model, seed)
     window = sliding_window(model)
     n = max(tokens, window + 8) if window else tokens
-    (frag,) = fragments(model, ids, [n])
+    (frag,) = random_fragments(model, ids, [n])
     refusal = model_refusal(model)
     runs: list[ShiftRun] = []
     lines, none = _phase(model, target, frag, runs)
@@ -234,7 +233,7 @@ def _zero(model: LoadedModel, target: Target, frag: Fragment) -> list[Line]:
 def _refusal(target: Target) -> list[Line]:
     """A cache of a model whose rotations do not compose is refused, not turned."""
     dyn = refusal_model()
-    cache = caches(fragments(dyn, TokenSource(dyn, 0), [8]))[0]
+    cache = caches(random_fragments(dyn, TokenSource(dyn, 0), [8]))[0]
     return refusal_line(
         f"8 tokens of {dyn.name} (dynamic NTK) by 8",
         lambda: target.call(cache, 8, dyn.model),
