@@ -56,7 +56,7 @@ from kvlab.findings.evalset import EvalSet
 from kvlab.findings.qa import passage_fragments, passage_texts
 from kvlab.findings.rows import read_rows, write_rows
 from kvlab.lab import setup
-from kvlab.lab.report import run_metadata
+from kvlab.lab.provenance import study_run
 from kvlab.measure.stats import fmt_ci, holm, paired_diff_ci, paired_p
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
@@ -211,9 +211,7 @@ def main() -> None:
         "sets": args.sets,
         "tokens": args.tokens,
         "counts": list(COUNTS),
-        "command": "studies/attention_mass.py " + " ".join(sys.argv[1:]),
-        "cpu": run_metadata([])["cpu"],
-        "wall_s": round(time.perf_counter() - started, 1),
+        **study_run("studies/attention_mass.py", started),
     }
     atomic_write_text(path.with_suffix(".json"), json.dumps(meta, indent=1) + "\n")
     print(table(rows, args.seed))

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ from kvlab.atomic import atomic_write_text
 from kvlab.findings import readers as study
 from kvlab.findings.rows import write_rows
 from kvlab.lab import setup
-from kvlab.lab.report import run_metadata
+from kvlab.lab.provenance import study_run
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 MODELS = ("smollm2-135m", "gemma3-270m")
@@ -64,9 +63,7 @@ def run(args: argparse.Namespace) -> None:
         "finetune_steps": args.finetune_steps,
         "seed": args.seed,
         "unreadable": unreadable,
-        "command": "studies/foreign_readers.py " + " ".join(sys.argv[1:]),
-        "cpu": run_metadata([])["cpu"],
-        "wall_s": round(time.perf_counter() - started, 1),
+        **study_run("studies/foreign_readers.py", started),
     }
     atomic_write_text(study.committed_path(args.out, model.name, "json"), json.dumps(meta, indent=1) + "\n")
     print("\n".join(study.at_scale(dicts, meta, "this run")))

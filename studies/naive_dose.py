@@ -190,23 +190,42 @@ def _diff(rows, where: dict, m: str, cluster: tuple[str, ...], seed: int) -> dic
     return d
 
 
+def _arms(rows: list[dict], where: dict, m: str, cluster: tuple[str, ...], seed: int):
+    """naive's and rerotate's intervals of metric ``m`` where ``where`` holds, and the paired values they came from."""
+    a, b, caches = longctx.pairs(rows, "naive", "rerotate", m, where, cluster)
+    ci = proportion_ci if m == "em" else mean_ci
+    arms = {
+        "naive": ci(a, clusters=caches, seed=seed).as_dict(),
+        "rerotate": ci(b, clusters=caches, seed=seed).as_dict(),
+    }
+    return arms, a, b, caches
+
+
+def _ceiling(rows: list[dict], where: dict, cluster: tuple[str, ...], seed: int) -> tuple[dict, list[dict]]:
+    """The reference's exact match, n and caches where ``where`` holds; and naive's rows there (one per question)."""
+    sel = [r for r in rows if r["strategy"] == "naive" and all(r[k] == v for k, v in where.items())]
+    ref, caches = [bool(r["ref_em"]) for r in sel], [tuple(r[c] for c in cluster) for r in sel]
+    out = {
+        "ceiling_em": proportion_ci(ref, clusters=caches, seed=seed).as_dict(),
+        "n": len(ref),
+        "caches": len(set(caches)),
+    }
+    return out, sel
+
+
 def cell(rows: list[dict], where: dict, cluster: tuple[str, ...], seed: int = SEED) -> dict:
     """naive, rerotate and their paired difference (every question, and where the reference is right) and the ceiling."""
     out: dict = {}
     for m in METRICS:
-        a, b, caches = longctx.pairs(rows, "naive", "rerotate", m, where, cluster)
-        ci = proportion_ci if m == "em" else mean_ci
+        arms, *_ = _arms(rows, where, m, cluster, seed)
         out[m] = {
-            "naive": ci(a, clusters=caches, seed=seed).as_dict(),
-            "rerotate": ci(b, clusters=caches, seed=seed).as_dict(),
+            **arms,
             "diff": _diff(rows, where, m, cluster, seed),
             "right": _diff(rows, {**where, "ref_em": True}, m, cluster, seed),
         }
-    sel = [r for r in rows if r["strategy"] == "naive" and all(r[k] == v for k, v in where.items())]
-    ref, caches = [bool(r["ref_em"]) for r in sel], [tuple(r[c] for c in cluster) for r in sel]
-    out["ceiling_em"] = proportion_ci(ref, clusters=caches, seed=seed).as_dict()
-    out["n"], out["caches"] = len(ref), len(set(caches))
-    out["n_right"] = sum(ref)
+    ceiling, sel = _ceiling(rows, where, cluster, seed)
+    out.update(ceiling)
+    out["n_right"] = sum(bool(r["ref_em"]) for r in sel)
     at = [r["answer_offset"] for r in sel]
     out.update(offset_min=min(at), offset_max=max(at), offset_mean=sum(at) / len(at))
     out["rel_pos"] = sum(r.get("rel_pos", 0.0) for r in sel) / len(sel)
@@ -379,17 +398,9 @@ def length_cell(rows: list[dict], where: dict, cluster: tuple[str, ...], seed: i
     """naive, rerotate, their paired difference and the ceiling for the rows matching ``where``."""
     out = {}
     for m in METRICS:
-        a, b, caches = longctx.pairs(rows, "naive", "rerotate", m, where, cluster)
-        ci = proportion_ci if m == "em" else mean_ci
-        out[m] = {
-            "naive": ci(a, clusters=caches, seed=seed).as_dict(),
-            "rerotate": ci(b, clusters=caches, seed=seed).as_dict(),
-            "diff": paired_diff_ci(a, b, clusters=caches, seed=seed).as_dict(),
-        }
-    sel = [r for r in rows if r["strategy"] == "naive" and all(r[k] == v for k, v in where.items())]
-    ref, caches = [bool(r["ref_em"]) for r in sel], [tuple(r[c] for c in cluster) for r in sel]
-    out["ceiling_em"] = proportion_ci(ref, clusters=caches, seed=seed).as_dict()
-    out["n"], out["caches"] = len(ref), len(set(caches))
+        arms, a, b, caches = _arms(rows, where, m, cluster, seed)
+        out[m] = {**arms, "diff": paired_diff_ci(a, b, clusters=caches, seed=seed).as_dict()}
+    out.update(_ceiling(rows, where, cluster, seed)[0])
     return out
 
 

@@ -1,4 +1,10 @@
-"""Who and what produced a run: the model's weights digest and the library versions, for reports and sweeps."""
+"""Who and what produced a run: the model's weights digest, the library versions and the CPU, for reports, sweeps and studies."""
+
+import os
+import platform
+import sys
+import time
+from pathlib import Path
 
 from kvlab.files.identity import fingerprint, package_versions
 from kvlab.models.sources import load_model
@@ -22,3 +28,27 @@ def model_digest(model_name) -> tuple[str | None, str | None]:
 
 def versions() -> dict:
     return dict(package_versions("kvlab", "torch", "transformers", "papermill", "distributed"))
+
+
+def cpu_name() -> str:
+    """The CPU's model name and this machine's logical core count, as a run's record states them."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+        else:
+            name = platform.processor() or platform.machine()
+    except OSError:
+        name = platform.processor() or platform.machine()
+    return f"{name}, {os.cpu_count()} logical cores"
+
+
+def study_run(script: str, started: float) -> dict:
+    """What a study's JSON states about its run: the command (``script`` and this process's arguments), the CPU, and
+    the wall seconds since ``started`` (a :func:`time.perf_counter` reading)."""
+    return {
+        "command": " ".join([script, *sys.argv[1:]]),
+        "cpu": cpu_name(),
+        "wall_s": round(time.perf_counter() - started, 1),
+    }

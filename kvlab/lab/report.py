@@ -34,7 +34,7 @@ from kvlab.atomic import atomic_path, atomic_write_text
 from kvlab.errors import ReportError
 from kvlab.lab.kernel import kernel_name, quiet_kernel_manager
 from kvlab.lab.pages import render
-from kvlab.lab.provenance import model_digest, versions
+from kvlab.lab.provenance import cpu_name, model_digest, versions
 from kvlab.models.sources import looks_like_path
 
 NOTEBOOK_DIR = Path(__file__).resolve().parents[2] / "notebooks"
@@ -193,19 +193,6 @@ def _git_commit() -> str:
     return head + (" (with uncommitted changes)" if dirty else "")
 
 
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-        else:
-            name = platform.processor() or platform.machine()
-    except OSError:
-        name = platform.processor() or platform.machine()
-    return f"{name}, {os.cpu_count()} logical cores"
-
-
 def run_metadata(models: list[str]) -> dict:
     """Who and what produced a report: models with their weights digests, versions, commit, CPU, date."""
     digests = {}
@@ -219,7 +206,7 @@ def run_metadata(models: list[str]) -> dict:
         "torch": v["torch"],
         "transformers": v["transformers"],
         "python": platform.python_version(),
-        "cpu": _cpu(),
+        "cpu": cpu_name(),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
     }
 
