@@ -129,7 +129,7 @@ report: prepare-report
 
 # nbval re-runs every notebook and compares its printed numbers with the stored run. The suite
 # runs on TEST_WORKERS processes (pytest-xdist); --dist loadfile keeps each file, so each
-# notebook's cells, on one worker, and the notebooks (the longest files) are handed out first.
+# notebook's cells, on one worker; xdist hands out the files with the most tests first.
 TEST_WORKERS ?= 2
 test: prepare-peers
 	sh scripts/install-browser.sh
