@@ -62,6 +62,7 @@ class FidelityReference:
         self.model, self.cache = model, cache
         self._reads: dict = {}
         self._spans: dict = {}
+        self._answered: dict = {}
 
     def reads(self, probes: list[str], greedy_tokens: int) -> list[ProbeRead]:
         """:func:`kvlab.measure.probes.read_probes` of the reference, remembered; the probes not yet read in one call.
@@ -92,6 +93,26 @@ class FidelityReference:
         if key not in self._spans:
             self._spans[key] = read_probes(self.model, self.cache, list(probes), continuation=list(continuations))
         return self._spans[key]
+
+    def answered(self, probes: list[str], greedy_tokens: int, continuations: list[str]) -> list[ProbeRead]:
+        """``read_probes(..., greedy=greedy_tokens, continuation=continuations)`` of the reference, remembered per call.
+
+        One read gives the greedy continuation and the answer's scores together: the probes are
+        run once, not once for each. A cache under test read the same way packs its probes as
+        the reference did, so a cache equal to it bit for bit agrees on every token.
+
+        Returns
+        -------
+        list of ProbeRead
+            Per probe: ``log_probs`` ``[vocab]``, ``greedy_tokens`` greedy ids and
+            ``continuation_log_probs`` ``[C, vocab]``, float64.
+        """
+        key = (tuple(probes), greedy_tokens, tuple(continuations))
+        if key not in self._answered:
+            self._answered[key] = read_probes(
+                self.model, self.cache, list(probes), greedy=greedy_tokens, continuation=list(continuations)
+            )
+        return self._answered[key]
 
     def read(self, probe: str, greedy_tokens: int) -> tuple[torch.Tensor, list[int]]:
         """One probe's :meth:`reads`: ``[vocab]`` float64 log-probabilities and ``greedy_tokens`` greedy ids."""

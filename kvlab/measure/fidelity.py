@@ -26,7 +26,7 @@ from kvlab.measure.case import Case, FidelityReference
 from kvlab.measure.metrics import kl_row
 from kvlab.measure.probes import read_probes
 from kvlab.measure.references import context_reference
-from kvlab.measure.span import span_scores
+from kvlab.measure.span import answer_continuations, span_row
 from kvlab.models.loaded import LoadedModel
 
 
@@ -241,10 +241,13 @@ def fidelity(
         )
     if answers is not None and len(answers) != len(probes):
         raise MergeError(f"{len(answers)} answers for {len(probes)} probes")
-    want = reference.reads(probes, greedy_tokens)
+    # With answers, one read gives both the greedy continuation and the answer's scores: the
+    # probes, most of a read's tokens, are run once instead of twice.
+    conts = None if answers is None else answer_continuations(answers)
+    want = reference.reads(probes, greedy_tokens) if conts is None else reference.answered(probes, greedy_tokens, conts)
     # The joined prefill's greedy tokens are the draft: where the merge's argmax agrees with
     # them (most tokens, for a good merge), no decoding step is needed.
-    got = read_probes(model, cache, probes, greedy=greedy_tokens, draft=[w.greedy for w in want])
+    got = read_probes(model, cache, probes, greedy=greedy_tokens, draft=[w.greedy for w in want], continuation=conts)
     rows = []
     agree = prefix = 0.0
     for probe, w, g in zip(probes, want, got):
@@ -257,8 +260,8 @@ def fidelity(
             row["greedy_ref"], row["greedy"] = model.tokenizer.decode(w.greedy), model.tokenizer.decode(g.greedy)
     span_mean = None
     if answers is not None:
-        for row, scores in zip(rows, span_scores(model, cache, reference, probes, answers)):
-            row.update(scores)
+        for row, w, g in zip(rows, want, got, strict=True):
+            row.update(span_row(model, w, g))
         span_mean = sum(r["span_kl"] for r in rows) / len(rows)
     n = len(rows)
     kls = [r["kl"] for r in rows]

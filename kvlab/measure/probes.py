@@ -117,6 +117,7 @@ def read_probes(
     greedy: int = 0,
     draft: Sequence | None = None,
     max_tokens: int = MAX_TOKENS,
+    position: int | None = None,
 ) -> list[ProbeRead]:
     """Read each probe behind ``cache``: the next token's distribution, a greedy continuation, a continuation's scores.
 
@@ -145,6 +146,12 @@ def read_probes(
         longest prefix the model's own argmax agrees with. The result does not depend on it.
     max_tokens : int
         Probe and continuation tokens per forward pass.
+    position : int, optional
+        Position of each probe's first token; by default the cache's length (right behind
+        it). Another position reads the probes as if the context ended there: Parallel Context
+        Windows (Ratner et al., 2023) places the task right after the longest window rather
+        than after all of them, and a cache with slots taken out keeps its tokens' positions.
+        Refused on a model with sliding-window layers, whose windows follow the cache's length.
 
     Returns
     -------
@@ -152,7 +159,7 @@ def read_probes(
         One per probe, in order: ``log_probs`` ``[vocab]`` float64, ``greedy`` (``greedy``
         ids) and, with a continuation, its ``[C_i]`` ids and ``[C_i, vocab]`` float64 log-probs.
     """
-    _check(model, cache, probes, continuation, draft, greedy, max_tokens)
+    _check(model, cache, probes, continuation, draft, greedy, max_tokens, position)
     if not probes:
         return []
     ids = [tokenize(model, p) for p in probes]
@@ -165,7 +172,7 @@ def read_probes(
         drafts = [_ids(model, d)[: greedy - 1] for d in draft]
     if any(len(x) == 0 for x in ids) or any(c is not None and len(c) == 0 for c in conts):
         raise MergeError("a probe or continuation has no tokens")
-    seen = cache.get_seq_length()
+    seen = cache.get_seq_length() if position is None else position
     check_positions(
         model.config,
         seen + max(len(x) + max(greedy - 1, 0 if c is None else len(c)) for x, c in zip(ids, conts)),
@@ -186,8 +193,16 @@ def read_probes(
     return out
 
 
-def _check(model, cache, probes, continuation, draft, greedy: int, max_tokens: int) -> None:
+def _check(model, cache, probes, continuation, draft, greedy: int, max_tokens: int, position: int | None) -> None:
     """Refuse what :func:`read_probes` cannot read, before any work."""
+    if position is not None:
+        if isinstance(position, bool) or not isinstance(position, int) or position < 0:
+            raise MergeError(f"position must be an int >= 0, got {position!r}")
+        if position != cache.get_seq_length() and any(getattr(la, "is_sliding", False) for la in cache.layers):
+            raise MergeError(
+                "probes are read at the cache's length on a model with sliding-window layers "
+                f"(its windows follow the cache), not at position {position}"
+            )
     if greedy < 0:
         raise MergeError(f"greedy must be >= 0, got {greedy}")
     if max_tokens < 1:

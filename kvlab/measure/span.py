@@ -23,7 +23,7 @@ from transformers import DynamicCache
 from kvlab.errors import MergeError
 from kvlab.measure.case import FidelityReference
 from kvlab.measure.metrics import kl_divergence, kl_row
-from kvlab.measure.probes import read_probes
+from kvlab.measure.probes import ProbeRead, read_probes
 from kvlab.models.loaded import LoadedModel
 
 
@@ -35,7 +35,13 @@ def answer_continuations(answers: list[str]) -> list[str]:
 
 
 def span_scores(
-    model: LoadedModel, cache: DynamicCache, reference: FidelityReference, probes: list[str], answers: list[str]
+    model: LoadedModel,
+    cache: DynamicCache,
+    reference: FidelityReference,
+    probes: list[str],
+    answers: list[str],
+    *,
+    position: int | None = None,
 ) -> list[dict]:
     """Per probe: the true answer scored behind ``cache`` against the joined prefill ``reference``.
 
@@ -48,6 +54,9 @@ def span_scores(
         The joined prefill of the same tokens; its readings are remembered across calls.
     probes, answers : list of str
         One true answer per probe, e.g. ``"1834"`` (fed as ``" 1834"``).
+    position : int, optional
+        Where the probes start behind ``cache`` (:func:`kvlab.measure.probes.read_probes`);
+        the reference reads its own at its length.
 
     Returns
     -------
@@ -61,17 +70,17 @@ def span_scores(
         raise MergeError(f"{len(answers)} answers for {len(probes)} probes")
     conts = answer_continuations(answers)
     want = reference.spans(probes, conts)
-    got = read_probes(model, cache, probes, continuation=conts)
-    rows = []
-    for w, g in zip(want, got, strict=True):
-        n = int(g.continuation.numel())
-        rows.append(
-            {
-                **kl_row(model, g.probe, w.log_probs, g.log_probs),
-                "span_kl": kl_divergence(w.continuation_log_probs, g.continuation_log_probs) / n,
-                "nll": -float(g.token_log_probs.sum()),
-                "nll_ref": -float(w.token_log_probs.sum()),
-                "span_tokens": n,
-            }
-        )
-    return rows
+    got = read_probes(model, cache, probes, continuation=conts, position=position)
+    return [span_row(model, w, g) for w, g in zip(want, got, strict=True)]
+
+
+def span_row(model: LoadedModel, want: ProbeRead, got: ProbeRead) -> dict:
+    """One probe's scores from its reads behind the reference (``want``) and the cache (``got``), both with the answer."""
+    n = int(got.continuation.numel())
+    return {
+        **kl_row(model, got.probe, want.log_probs, got.log_probs),
+        "span_kl": kl_divergence(want.continuation_log_probs, got.continuation_log_probs) / n,
+        "nll": -float(got.token_log_probs.sum()),
+        "nll_ref": -float(want.token_log_probs.sum()),
+        "span_tokens": n,
+    }

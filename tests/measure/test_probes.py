@@ -37,15 +37,16 @@ ERROR_RATIO = 2.0
 
 
 @torch.inference_mode()
-def old_read_probe(model, cache, probe: str, greedy_tokens: int = 0, feed: list[int] | None = None):
+def old_read_probe(model, cache, probe: str, greedy_tokens: int = 0, feed: list[int] | None = None, at=None):
     """``references.read_probe`` before ``read_probes``: a clone per probe, one forward pass per token.
 
     ``feed``: tokens fed after the probe instead of the greedy ones (teacher forcing, one token
-    per pass); then every pass's distribution is returned, ``[len(feed) + 1, vocab]``.
+    per pass); then every pass's distribution is returned, ``[len(feed) + 1, vocab]``. ``at``: the
+    probe's first position (default: the cache's length).
     """
     ids = tokenize(model, probe).to(model.device)[None]
     work = clone_cache(cache, model.config)
-    at = work.get_seq_length()
+    at = work.get_seq_length() if at is None else at
     log_probs, greedy, rows = None, [], []
     for step in range(max(1, greedy_tokens) if feed is None else len(feed) + 1):
         pos = torch.arange(at, at + ids.shape[-1], device=model.device)[None]
@@ -199,6 +200,31 @@ def test_groups_read_what_one_pass_reads():
             torch.testing.assert_close(a.log_probs, b.log_probs, rtol=0, atol=ATOL)
 
 
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
+def test_probes_read_at_another_position(name):
+    # Parallel Context Windows' placement (before the cache's end) and a cache with slots taken out
+    # (after it): each probe reads what a forward pass at those positions reads.
+    m = tiny(name)
+    _, cache = merged(m)
+    n = cache.get_seq_length()
+    for a, b in zip(read_probes(m, cache, PROBES, greedy=3, position=n), read_probes(m, cache, PROBES, greedy=3)):
+        assert torch.equal(a.log_probs, b.log_probs) and a.greedy == b.greedy
+    for at in (n // 2, n + 7):
+        new = read_probes(m, cache, PROBES, greedy=3, position=at)
+        for p, r in zip(PROBES, new, strict=True):
+            lp, g = old_read_probe(m, cache, p, 3, at=at)
+            torch.testing.assert_close(r.log_probs, lp, rtol=0, atol=ATOL)
+            assert r.greedy == g
+            # The teeth: the position is read, not the cache's length.
+            assert float((lp - old_read_probe(m, cache, p)[0]).abs().max()) > 10 * ATOL
+        span = read_probes(m, cache, PROBES, continuation=[" a b"] * len(PROBES), position=at)
+        feed = tokenize(m, " a b").tolist()
+        for p, r in zip(PROBES, span):
+            torch.testing.assert_close(
+                r.continuation_log_probs, old_read_probe(m, cache, p, feed=feed, at=at)[0][:-1], rtol=0, atol=ATOL
+            )
+
+
 def test_what_read_probes_refuses():
     m = tiny("tiny-llama")
     _, cache = merged(m)
@@ -211,6 +237,14 @@ def test_what_read_probes_refuses():
         read_probes(m, cache, PROBES, greedy=-1)
     with pytest.raises(MergeError, match="without a continuation"):
         _ = read_probes(m, cache, PROBES[:1])[0].token_log_probs
+    for bad in (-1, 2.0, True):
+        with pytest.raises(MergeError, match="position must be"):
+            read_probes(m, cache, PROBES, position=bad)
+    g = tiny("tiny-gemma3")
+    _, sliding = merged(g)
+    with pytest.raises(MergeError, match="sliding-window"):
+        read_probes(g, sliding, PROBES, position=sliding.get_seq_length() - 1)
+    assert len(read_probes(g, sliding, PROBES, position=sliding.get_seq_length())) == len(PROBES)
     wide = prefill_ids(m, torch.tensor([[1, 2, 3], [4, 5, 6]]))
     with pytest.raises(MergeError, match="batch size 1"):
         read_probes(m, wide, PROBES)
