@@ -394,3 +394,17 @@ def test_attention_mass_tables_are_recomputed_from_the_committed_rows():
     # Teeth: one question's mass moved changes what is printed.
     rows[0] = {**rows[0], "first_tokens": rows[0]["first_tokens"] + 0.5}
     assert study.table(rows) not in page
+
+
+def test_merge_puzzle_tables_are_recomputed_from_the_committed_rows():
+    # The SmolLM2 puzzle's experiments (a)-(c): the page prints studies/merge_puzzle.py --markdown.
+    from kvlab.findings import puzzle as study
+    from kvlab.findings.rows import read_rows
+
+    rows = read_rows(ROOT / "results" / "merge_puzzle_smollm2-135m.csv")
+    page = _section(ROOT / "results" / "README.md", "## Settling the SmolLM2 puzzle")
+    assert study.table(rows) in page, "regenerate: studies/merge_puzzle.py --markdown"
+    assert {r["n_fragments"] for r in rows} == {2, 4, 8} and len({r["set"] for r in rows}) >= 16
+    # Teeth: one question's score changed changes what is printed.
+    rows[0] = {**rows[0], "span_kl": rows[0]["span_kl"] + 0.5}
+    assert study.table(rows) not in page

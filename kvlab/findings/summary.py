@@ -1,8 +1,9 @@
 """The one page a cache-store maintainer reads first (``results/SUMMARY.md``), printed from committed rows.
 
 Every number is computed here from the per-question rows the long-context study committed
-(``results/long_context_<model>.csv``), with kvlab's cluster bootstrap over caches; nothing is
-typed in. ``studies/summary.py`` writes the page, and a test checks the committed page is what
+(``results/long_context_<model>.csv``) and the puzzle study's
+(``results/merge_puzzle_smollm2-135m.csv``), with kvlab's cluster bootstrap over caches; nothing
+is typed in. ``studies/summary.py`` writes the page, and a test checks the committed page is what
 :func:`render` prints.
 """
 
@@ -10,7 +11,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvlab.findings import puzzle as puzzle_rows
 from kvlab.findings.longctx import cache_of, gap_closed
+from kvlab.findings.rows import read_rows as read_study_rows
 from kvlab.findings.strata import compare, merges, read_rows
 from kvlab.measure.stats import fmt_ci, proportion_ci
 
@@ -88,10 +91,14 @@ def render(results: str | Path) -> str:
         ),
     ]
     puzzle = diff[s][2, "pooled", "span_kl"]
+    pz_all = read_study_rows(results / "merge_puzzle_smollm2-135m.csv")
+    pz = {(c["n_fragments"], c["number"]): c for c in puzzle_rows.compare(pz_all)}
+    pz_sets = len({r["set"] for r in pz_all})
     out = [
         "# kvlab findings on one page",
         "",
-        "Printed by `studies/summary.py` from the per-question rows of `results/long_context_<model>.csv`; every "
+        "Printed by `studies/summary.py` from the per-question rows of `results/long_context_<model>.csv` (and, "
+        "for the SmolLM2 puzzle, `results/merge_puzzle_smollm2-135m.csv`); every "
         "interval is a 95% cluster bootstrap over caches (caches resampled with all their questions; "
         "[docs/statistics.md](../docs/statistics.md)), paired differences are paired over the same questions, and "
         "p-values are Holm-adjusted within their family (one per model and metric: every count × stratum). "
@@ -118,14 +125,18 @@ def render(results: str | Path) -> str:
     out += [
         "## Open questions",
         "",
-        f"* **The SmolLM2 puzzle.** At 2 × 512 a naive merge is closer to the joined prefill than rerotate "
-        f"(answer-span KL {fmt_ci(puzzle['ci'], '+.3f')}, {_n(puzzle['ci'])}). Where the question looks "
-        "(experiment d, [README.md](README.md#where-the-question-looks-the-smollm2-puzzle-experiment-d)): the "
-        "fragments' first tokens draw sink-like attention under both merges alike, so a sink made by the phase "
-        "does not separate them; rerotate's question looks at the last fragment more than naive's and the joined "
-        "prefill's, the pattern recency capture predicts. Tying that pattern to the answers needs the runs not "
-        "yet made: later fragments' first-token K/V removed, fragment order reversed, the query placed as "
-        "Parallel Context Windows place it.",
+        f"* **The SmolLM2 puzzle: the data support recency capture, not sinks.** At 2 × 512 a naive merge is "
+        f"closer to the joined prefill than rerotate (answer-span KL {fmt_ci(puzzle['ci'], '+.3f')}, "
+        f"{_n(puzzle['ci'])}). Experiments (a)-(c) ({pz_sets} sets; "
+        "[README.md](README.md#settling-the-smollm2-puzzle-experiments-a-c)): reversing the passages' order moves "
+        "rerotate's deficit with the place in the merge, not with the passage (questions about passage 0, "
+        f"rerotate − naive in order minus reversed, {fmt_ci(pz[2, 3]['ci'], '+.2f')} at 2 fragments, "
+        f"{fmt_ci(pz[8, 3]['ci'], '+.2f')} at 8); rerotate answers questions about an early fragment with the "
+        "same kind of fact from the last fragment more often than naive "
+        f"({fmt_ci(pz[2, 6]['ci'], '+.2f')} at 2, {fmt_ci(pz[8, 6]['ci'], '+.2f')} at 8); taking the later "
+        "fragments' first tokens out changes the naive − rerotate gap by "
+        f"{fmt_ci(pz[2, 1]['ci'], '+.3f')} at 2 and {fmt_ci(pz[8, 1]['ci'], '+.3f')} at 8. Open: why SmolLM2 "
+        "is captured and Gemma 3 is not, and whether a larger model is.",
         "* **Offset or order?** naive_dose now asks every passage at every count (2, 4, 8). On SmolLM2 the same "
         "passage at the same offset changes the sign of naive − rerotate with its place in the merge (early: naive "
         "closer to the joined prefill; late and last: rerotate closer), so order, not absolute offset, sets the "
