@@ -38,6 +38,7 @@ import torch
 
 import kvlab
 from kvlab.findings import readers as study
+from kvlab.findings import rows as committed
 from kvlab.measure.mismatch import finetune_snapshots
 from kvlab.measure.stats import fmt_ci
 from kvlab.sweep.point import read_points
@@ -74,7 +75,9 @@ def measure(
     seed: int = 0,
     log=None,
 ) -> dict:
-    """Every snapshot reads every question of every producer cache; the summary document (no wall time).
+    """Every snapshot reads every question of every producer cache: ``(rows, summary document)`` (no wall time).
+
+    ``rows``: one per (reader, cache, question), as :func:`write_rows` commits them.
 
     ``check_step`` (one of ``steps``, or ``None``): the snapshot compared with an independent
     fine-tune of that many steps. The fine-tune takes :data:`kvlab.measure.mismatch.FINETUNE_DEFAULTS`
@@ -114,6 +117,26 @@ def measure(
             rows += study.forced_reads({reader_name(k): reader}, caches)
             say(f"step {k}: refused on {refusal[k]}, read in {time.perf_counter() - t0:.0f} s")
             del reader
+    rows = study.row_dicts(rows)
+    per_step = step_entries(rows, steps, refusal, seed=seed)
+    args = dict(steps=steps, n_caches=n_caches, n_passages=n_passages, passage_tokens=passage_tokens, seed=seed)
+    args.update(people_per_passage=people_per_passage, max_questions=max_questions, check_step=check_step)
+    return rows, {
+        "model": model.name,
+        "args": args,
+        "caches_reload_exact": exact,
+        "cache_tokens": [c.tokens for c in caches],
+        "nested_check": nested,
+        "steps": per_step,
+    }
+
+
+def step_entries(rows: list[dict], steps, refusal: dict, *, seed: int = 0) -> dict[str, dict]:
+    """Per step: the four metrics' intervals, flips, refusal, and the paired differences the docstring names.
+
+    ``rows``: one per (reader, cache, question) (:func:`kvlab.findings.readers.row_dicts`, or the
+    committed CSV read back); ``refusal``: step -> the differing fields, or ``None`` where it loaded.
+    """
     ci = study.summarize(rows, seed=seed)
     per_step = {}
     for i, k in enumerate(steps):
@@ -133,16 +156,7 @@ def measure(
             entry["span_kl_minus_previous"] = study.paired(rows, name, reader_name(steps[i - 1]), seed=seed).as_dict()
             entry["kl_minus_previous"] = study.paired(rows, name, reader_name(steps[i - 1]), "kl", seed=seed).as_dict()
         per_step[str(k)] = entry
-    args = dict(steps=steps, n_caches=n_caches, n_passages=n_passages, passage_tokens=passage_tokens, seed=seed)
-    args.update(people_per_passage=people_per_passage, max_questions=max_questions, check_step=check_step)
-    return {
-        "model": model.name,
-        "args": args,
-        "caches_reload_exact": exact,
-        "cache_tokens": [c.tokens for c in caches],
-        "nested_check": nested,
-        "steps": per_step,
-    }
+    return per_step
 
 
 def _f(c: dict, fmt: str) -> str:
@@ -255,8 +269,25 @@ def figure(docs: list[dict], title: str | None = None):
     return fig
 
 
-def _doc_from_point(point: dict) -> dict:
-    """A :func:`measure`-shaped document rebuilt from one sweep point's records."""
+def rows_path(folder, model_name: str) -> Path:
+    return Path(folder) / f"rows_{model_name}.csv"
+
+
+def write_rows(rows: list[dict], folder, model_name: str) -> Path:
+    """The per-question rows as ``<folder>/rows_<model>.csv`` (written whole, under a temporary name first)."""
+    path = rows_path(folder, model_name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return committed.write_rows(path, rows)
+
+
+def _doc_from_point(point: dict, folder: Path) -> dict:
+    """A :func:`measure`-shaped document rebuilt from one sweep point.
+
+    Refusals and the nested check come from the point's records. Where the point committed its
+    rows (``rows_<model>.csv`` in ``folder``), every interval is recomputed from them (the same
+    function and seed as the run); otherwise (a run before the rows were kept) it is read from the
+    records.
+    """
     recs = {r["name"]: r for r in point["records"]}
     par = point["parameters"]
     steps = par["steps"]
@@ -274,6 +305,13 @@ def _doc_from_point(point: dict) -> dict:
         if i > 0:
             e["span_kl_minus_previous"] = c(recs[f"span_kl_step{k}_minus_step{steps[i - 1]}"])
         doc["steps"][str(k)] = e
+    rows = rows_path(folder, par["model_name"])
+    if rows.exists():
+        refusal = {k: doc["steps"][str(k)]["fields"] if doc["steps"][str(k)]["refused"] else None for k in steps}
+        doc["steps"] = step_entries(
+            committed.read_rows(rows, text=("reader", "kind")), steps, refusal, seed=par.get("seed", 0)
+        )
+        doc["rows"] = rows.name
     if "nested_check" in recs:
         r = recs["nested_check"]
         doc["nested_check"] = {
@@ -290,14 +328,15 @@ def sweep_table(folder: Path, figure_path: Path | None = None) -> str:
     ok = [p for p in points if p["status"] == "ok"]
     order = {"smollm2-135m": 0, "gemma3-270m": 1}
     ok.sort(key=lambda p: order.get(p["parameters"]["model_name"], 9))
-    docs = [_doc_from_point(p) for p in ok]
+    docs = [_doc_from_point(p, folder) for p in ok]
     out = []
     for p, doc in zip(ok, docs):
         out += [
             table(doc),
             "",
             *("- " + line for line in conclusions(doc)),
-            f"- point wall time {p['wall_s'] / 60:.1f} min",
+            f"- point wall time {p['wall_s'] / 60:.1f} min"
+            + (f"; every interval recomputed from {doc['rows']}" if "rows" in doc else "; intervals from its records"),
             "",
         ]
     failed = [p["point"] for p in points if p["status"] != "ok"]
@@ -324,7 +363,7 @@ def main() -> None:
         print(sweep_table(Path(args.sweep_table), Path(args.figure) if args.figure else None))
         return
     t0 = time.perf_counter()
-    doc = measure(
+    _, doc = measure(
         kvlab.load_model(args.model),
         steps=args.steps,
         n_caches=args.caches,

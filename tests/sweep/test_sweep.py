@@ -19,6 +19,7 @@ import kvlab
 from kvlab.cli import main as cli
 from kvlab.errors import StudyError
 from kvlab.findings.records import make_record, read_records
+from kvlab.findings.rows import read_rows, write_rows
 from kvlab.sweep.point import run_point
 from kvlab.sweep.run import plan, run_study
 from kvlab.sweep.study import load_study
@@ -385,14 +386,38 @@ def test_the_gemma_controls_study_reads_every_ablation(tmp_path):
 def test_the_finetune_dose_notebook_runs_its_script(tmp_path):
     # studies/finetune_dose.ipynb imports studies/finetune_dose.py; one small point on a tiny model.
     nb = Path(__file__).resolve().parents[2] / "studies" / "finetune_dose.ipynb"
-    path = tmp_path / "dose.toml"
+    path, out = tmp_path / "dose.toml", tmp_path / "out"
     path.write_text(
         f'notebook = "{nb}"\noutput = "{tmp_path / "out"}"\n[parameters]\nsteps = [0, 1, 2]\nn_caches = 2\n'
-        'passage_tokens = 48\nmax_questions = 2\ncheck_step = 1\n[grid]\nmodel_name = ["tiny-llama"]\n'
+        "passage_tokens = 48\nmax_questions = 2\ncheck_step = 1\n"
+        f'rows_dir = "{out}"\n[grid]\nmodel_name = ["tiny-llama"]\n'
     )
     result = run_study(load_study(path), workers=1, progress=False)
     assert not result.failed, result.failed
-    got = {r["metric"]: float(r["value"]) for r in read_csv(tmp_path / "out" / "results.csv")}
-    assert got["span_kl_step0"] == 0 and got["kl_step0"] == 0 and got["refused_step0"] == 0  # the producer
-    assert got["refused_step1"] == got["refused_step2"] == 1 and got["nested_check"] == 1
-    assert 0 < got["span_kl_step1"] and 0 < got["span_kl_step2"]
+    got = {r["metric"]: r for r in read_csv(out / "results.csv")}
+    value = {m: float(r["value"]) for m, r in got.items()}
+    assert value["span_kl_step0"] == 0 and value["kl_step0"] == 0 and value["refused_step0"] == 0  # the producer
+    assert value["refused_step1"] == value["refused_step2"] == 1 and value["nested_check"] == 1
+    assert 0 < value["span_kl_step1"] and 0 < value["span_kl_step2"]
+
+    # The committed rows give back every interval the point recorded (records keep 6 significant digits).
+    sys.path.insert(0, str(nb.parent))
+    try:
+        import finetune_dose
+    finally:
+        sys.path.remove(str(nb.parent))
+    rows = read_rows(out / "rows_tiny-llama.csv", text=("reader", "kind"))
+    assert {(r["reader"], r["cache"]) for r in rows} == {(f"step{k}", c) for k in (0, 1, 2) for c in (0, 1)}
+    doc = finetune_dose.step_entries(rows, [0, 1, 2], {0: None, 1: ["x"], 2: ["x"]})
+    for k in (1, 2):
+        for m, key in (("span_kl", f"span_kl_step{k}"), ("kl", f"kl_step{k}")):
+            for field, col in (("mean", "value"), ("lo", "ci_low"), ("hi", "ci_high")):
+                assert doc[str(k)][m][field] == pytest.approx(float(got[key][col]), rel=1e-5, abs=1e-12)
+    d = doc["2"]["span_kl_minus_previous"]
+    assert d["mean"] == pytest.approx(float(got["span_kl_step2_minus_step1"]["value"]), rel=1e-5, abs=1e-12)
+    table = finetune_dose.sweep_table(out)
+    assert "every interval recomputed from rows_tiny-llama.csv" in table
+    # The teeth: one changed score in the CSV changes the table sweep_table prints.
+    rows[-1]["span_kl"] += 1.0
+    write_rows(out / "rows_tiny-llama.csv", rows)
+    assert finetune_dose.sweep_table(out) != table
