@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -54,10 +53,10 @@ from kvlab.cache.fragments import clone_cache, tokenize
 from kvlab.findings import longctx
 from kvlab.findings.evalset import EvalSet
 from kvlab.findings.qa import passage_fragments, passage_texts
-from kvlab.findings.rows import read_rows, write_rows
+from kvlab.findings.rows import read_rows, run_sets
 from kvlab.lab import setup
 from kvlab.lab.provenance import study_run
-from kvlab.measure.stats import fmt_ci, holm, paired_diff_ci, paired_p
+from kvlab.measure.stats import fmt_ci, paired_family
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 COUNTS = (2, 4, 8)
@@ -143,22 +142,17 @@ def set_rows(model, j: int, tokens: int, seed: int) -> list[dict]:
 
 def compare(rows: list[dict], seed: int = 0) -> list[dict]:
     """The fifteen named comparisons, each with its interval, raw p and Holm-adjusted p."""
-    out = []
-    for k in COUNTS:
-        for measure, a, b, not_last in COMPARISONS:
-            sel = [r for r in rows if r["n_fragments"] == k and (not not_last or r["answer_passage"] < k - 1)]
-            by = {(r["set"], r["question"], r["cache"]): r[measure] for r in sel}
-            keys = sorted({(s, q) for s, q, _ in by})
-            x, y = [by[s, q, a] for s, q in keys], [by[s, q, b] for s, q in keys]
-            sets = [s for s, _ in keys]
-            ci = paired_diff_ci(x, y, clusters=sets, seed=seed)
-            out.append(
-                {"n_fragments": k, "measure": measure, "a": a, "b": b, "answer_not_last": not_last, "ci": ci}
-                | {"p": paired_p(x, y, clusters=sets, seed=seed)}
-            )
-    for r, adj in zip(out, holm([r["p"] for r in out]), strict=True):
-        r["p_holm"] = adj
-    return out
+
+    def family():
+        for k in COUNTS:
+            for measure, a, b, not_last in COMPARISONS:
+                sel = [r for r in rows if r["n_fragments"] == k and (not not_last or r["answer_passage"] < k - 1)]
+                by = {(r["set"], r["question"], r["cache"]): r[measure] for r in sel}
+                keys = sorted({(s, q) for s, q, _ in by})
+                what = {"n_fragments": k, "measure": measure, "a": a, "b": b, "answer_not_last": not_last}
+                yield what, [by[s, q, a] for s, q in keys], [by[s, q, b] for s, q in keys], [s for s, _ in keys]
+
+    return paired_family(family(), seed=seed)
 
 
 def table(rows: list[dict], seed: int = 0) -> str:
@@ -200,17 +194,14 @@ def main() -> None:
         return
     setup(args.seed)
     model = kvlab.load_model(args.model)
-    started, rows = time.perf_counter(), []
-    for j in range(args.sets):
-        t0 = time.perf_counter()
-        rows += set_rows(model, j, args.tokens, args.seed)
-        write_rows(path, rows)  # a stopped run keeps the sets it finished
-        print(f"set {j + 1}/{args.sets}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    started = time.perf_counter()
+    rows, walls = run_sets(path, range(args.sets), lambda j: set_rows(model, j, args.tokens, args.seed))
     meta = {
         "model": model.name,
         "sets": args.sets,
         "tokens": args.tokens,
         "counts": list(COUNTS),
+        "set_wall_s": walls,
         **study_run("studies/attention_mass.py", started),
     }
     atomic_write_text(path.with_suffix(".json"), json.dumps(meta, indent=1) + "\n")

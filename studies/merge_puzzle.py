@@ -57,7 +57,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -70,7 +69,7 @@ from kvlab.findings import longctx
 from kvlab.findings.evalset import EvalSet, answer_span, exact_match, normalize
 from kvlab.findings.puzzle import COUNTS, table
 from kvlab.findings.qa import passage_fragments
-from kvlab.findings.rows import read_rows, write_rows
+from kvlab.findings.rows import read_rows, run_sets
 from kvlab.lab import setup
 from kvlab.lab.provenance import study_run
 from kvlab.measure.case import FidelityReference
@@ -190,12 +189,9 @@ def main() -> None:
         path = path.with_name(f"{path.stem}.part{args.first_set}.csv")
     setup(args.seed)
     model = kvlab.load_model(args.model)
-    started, rows = time.perf_counter(), []
-    for j in range(args.first_set, args.first_set + args.sets):
-        t0 = time.perf_counter()
-        rows += set_rows(model, j, args.tokens, args.seed)
-        write_rows(path, rows)  # a stopped run keeps the sets it finished
-        print(f"set {j}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    started = time.perf_counter()
+    sets = range(args.first_set, args.first_set + args.sets)
+    rows, walls = run_sets(path, sets, lambda j: set_rows(model, j, args.tokens, args.seed))
     meta = {
         "model": model.name,
         "sets": args.sets,
@@ -203,6 +199,7 @@ def main() -> None:
         "tokens": args.tokens,
         "counts": list(COUNTS),
         "greedy_tokens": GREEDY,
+        "set_wall_s": walls,
         **study_run("studies/merge_puzzle.py", started),
     }
     atomic_write_text(path.with_suffix(".json"), json.dumps(meta, indent=1) + "\n")

@@ -8,7 +8,7 @@ eighteen) and the tables ``results/README.md`` and ``results/SUMMARY.md`` print.
 
 from __future__ import annotations
 
-from kvlab.measure.stats import fmt_ci, holm, mean_ci, paired_diff_ci, paired_p, proportion_ci
+from kvlab.measure.stats import fmt_ci, mean_ci, paired_family, proportion_ci
 
 COUNTS = (2, 4, 8)
 #: (number, label, measure, arms for x (a, b), arms for y (a, b), which questions), named before the run.
@@ -32,26 +32,22 @@ COMPARISONS = (
 
 def compare(rows: list[dict], seed: int = 0) -> list[dict]:
     """The eighteen named comparisons, each with its interval, raw p and Holm-adjusted p."""
-    out = []
-    for k in COUNTS:
-        for number, label, measure, xa, ya, which in COMPARISONS:
-            keep = {
-                "early": lambda r, k=k: r["answer_passage"] != (k - 1),
-                "passage 0": lambda r: r["answer_passage"] == 0,
-                "passage k-1": lambda r, k=k: r["answer_passage"] == k - 1,
-                "all": lambda r: True,
-            }[which]
-            x, y = (_series(rows, k, arm, keep, measure) for arm in (xa, ya))
-            keys = sorted(set(x) & set(y))
-            xs, ys, sets = [x[key] for key in keys], [y[key] for key in keys], [s for s, _ in keys]
-            ci = paired_diff_ci(xs, ys, clusters=sets, seed=seed)
-            out.append(
-                {"n_fragments": k, "number": number, "label": label, "measure": measure, "questions": which, "ci": ci}
-                | {"p": paired_p(xs, ys, clusters=sets, seed=seed)}
-            )
-    for r, adj in zip(out, holm([r["p"] for r in out]), strict=True):
-        r["p_holm"] = adj
-    return out
+
+    def family():
+        for k in COUNTS:
+            for number, label, measure, xa, ya, which in COMPARISONS:
+                keep = {
+                    "early": lambda r, k=k: r["answer_passage"] != (k - 1),
+                    "passage 0": lambda r: r["answer_passage"] == 0,
+                    "passage k-1": lambda r, k=k: r["answer_passage"] == k - 1,
+                    "all": lambda r: True,
+                }[which]
+                x, y = (_series(rows, k, arm, keep, measure) for arm in (xa, ya))
+                keys = sorted(set(x) & set(y))
+                what = {"n_fragments": k, "number": number, "label": label, "measure": measure, "questions": which}
+                yield what, [x[key] for key in keys], [y[key] for key in keys], [s for s, _ in keys]
+
+    return paired_family(family(), seed=seed)
 
 
 def _series(rows, k: int, arm, keep, measure: str) -> dict[tuple[int, int], float]:

@@ -9,7 +9,9 @@ recomputed from the file is the interval the study printed, digit for digit.
 from __future__ import annotations
 
 import csv
-from collections.abc import Iterable
+import sys
+import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from kvlab.atomic import atomic_path
@@ -43,3 +45,22 @@ def read_rows(path: str | Path, text: Iterable[str] = ()) -> list[dict]:
     keep = set(text)
     with open(path, newline="") as fh:
         return [{k: v if k in keep else typed(v) for k, v in r.items()} for r in csv.DictReader(fh)]
+
+
+def run_sets(
+    path: str | Path, sets: Iterable[int], one_set: Callable[[int], list[dict]]
+) -> tuple[list[dict], list[float]]:
+    """A study's run over independent sets: ``(rows, wall seconds per set)``.
+
+    ``one_set(j)`` returns set ``j``'s rows. ``path`` is rewritten whole after every set, so a run
+    stopped midway keeps the sets it finished and none half-done; each set's wall time goes to
+    stderr as it ends.
+    """
+    rows, walls = [], []
+    for j in sets:
+        t0 = time.perf_counter()
+        rows += one_set(j)
+        write_rows(path, rows)
+        walls.append(round(time.perf_counter() - t0, 1))
+        print(f"set {j}: {walls[-1]:.0f} s", file=sys.stderr, flush=True)
+    return rows, walls

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from kvlab.findings import rows as committed
 from kvlab.findings.longctx import pairs
-from kvlab.measure.stats import fmt_ci, holm, paired_diff_ci, paired_p
+from kvlab.measure.stats import fmt_ci, paired_family
 
 #: The metrics whose ``a - b`` is stated: answer-span KL against the joined prefill (nats/token),
 #: the truth's NLL (nats) and exact match with the truth.
@@ -68,28 +68,18 @@ def compare(rows: list[dict], a: str = "naive", b: str = "rerotate", *, seed: in
         ``ci`` (:class:`kvlab.CI`), ``p`` and ``p_holm``.
     """
     rows = merges(rows)
+
+    def family(metric: str, name: str):
+        for k in sorted({r["n_fragments"] for r in rows}):
+            for stratum, where in strata(rows, k):
+                x, y, caches = pairs(rows, a, b, metric, where)
+                if x:
+                    yield {"n_fragments": k, "stratum": stratum, "metric": metric, "family": name}, x, y, caches
+
     out = []
     for metric in METRICS:
-        family = f"{metric}: {a} - {b}, every count x stratum"
-        block = []
-        for k in sorted({r["n_fragments"] for r in rows}):
-            for name, where in strata(rows, k):
-                x, y, caches = pairs(rows, a, b, metric, where)
-                if not x:
-                    continue
-                block.append(
-                    {
-                        "n_fragments": k,
-                        "stratum": name,
-                        "metric": metric,
-                        "family": family,
-                        "ci": paired_diff_ci(x, y, clusters=caches, seed=seed),
-                        "p": paired_p(x, y, clusters=caches, seed=seed),
-                    }
-                )
-        for r, adj in zip(block, holm([r["p"] for r in block])):
-            r["p_holm"] = adj
-        out += block
+        name = f"{metric}: {a} - {b}, every count x stratum"
+        out += paired_family(family(metric, name), seed=seed)
     return out
 
 

@@ -326,3 +326,32 @@ def holm(pvalues) -> list[float]:
         running = max(running, min(1.0, (m - rank) * p[i]))
         adjusted[i] = running
     return [float(v) for v in adjusted]
+
+
+def paired_family(comparisons, *, n_boot: int = N_BOOT, seed: int = 0) -> list[dict]:
+    """A family of paired comparisons named before the run: each one's interval, raw p and Holm p.
+
+    Parameters
+    ----------
+    comparisons : iterable of (dict, array-like, array-like, sequence)
+        ``(what, a, b, clusters)`` per comparison, in the family's order: ``what`` names it
+        (any keys), ``a`` and ``b`` are ``[n]`` paired values and ``clusters`` their ``[n]``
+        cache labels, as for :func:`paired_diff_ci`.
+
+    Returns
+    -------
+    list of dict
+        ``what`` with ``ci`` (:func:`paired_diff_ci`), ``p`` (:func:`paired_p`) and ``p_holm``
+        (:func:`holm` over the whole family) added, same order.
+    """
+    out = [
+        what
+        | {
+            "ci": paired_diff_ci(a, b, clusters=clusters, n_boot=n_boot, seed=seed),
+            "p": paired_p(a, b, clusters=clusters, n_boot=n_boot, seed=seed),
+        }
+        for what, a, b, clusters in comparisons
+    ]
+    for r, adj in zip(out, holm([r["p"] for r in out]), strict=True):
+        r["p_holm"] = adj
+    return out

@@ -6,7 +6,16 @@ import numpy as np
 import pytest
 
 from kvlab.errors import StatsError
-from kvlab.measure.stats import fmt_ci, gap_closed_ci, holm, mean_ci, paired_diff_ci, paired_p, proportion_ci
+from kvlab.measure.stats import (
+    fmt_ci,
+    gap_closed_ci,
+    holm,
+    mean_ci,
+    paired_diff_ci,
+    paired_family,
+    paired_p,
+    proportion_ci,
+)
 
 
 def clustered(rng, caches: int, per: int, between: float = 1.0, within: float = 0.3):
@@ -147,3 +156,20 @@ def test_one_formatter_for_intervals_and_their_file_form():
     assert fmt_ci(c, ".2f") == fmt_ci(c.as_dict(), ".2f") == f"{c.mean:.2f} [{c.lo:.2f}, {c.hi:.2f}]"
     assert fmt_ci(None) == "-" and fmt_ci({"mean": 0.5, "lo": 0.25, "hi": 1}, "+.0%") == "+50% [+25%, +100%]"
     assert format(c, ".2f") == fmt_ci(c, ".2f") + " (n=3, caches=2)"
+
+
+def test_a_paired_family_is_each_comparison_with_holm_over_all():
+    rng = np.random.default_rng(3)
+    clusters = np.repeat(np.arange(6), 4)
+    base = rng.normal(size=24)
+    shifts = (0.0, 0.05, 0.8)  # one null, one small, one large effect
+    named = [({"name": f"shift {d}"}, base + d + rng.normal(0, 0.3, 24), base, clusters) for d in shifts]
+    got = paired_family(named, seed=1)
+    raw = [paired_p(a, b, clusters=c, seed=1) for _, a, b, c in named]
+    assert [g["name"] for g in got] == [f"shift {d}" for d in shifts]
+    assert [g["p"] for g in got] == raw
+    assert [g["p_holm"] for g in got] == holm(raw)
+    for g, (_, a, b, c) in zip(got, named):
+        assert g["ci"] == paired_diff_ci(a, b, clusters=c, seed=1)
+    # The adjustment is over the family: the smallest p is multiplied by the family's size.
+    assert min(g["p_holm"] for g in got) == pytest.approx(min(1.0, 3 * min(raw)))
