@@ -37,6 +37,9 @@ def _ceiling(rows: list[dict], k: int):
 def render(results: str | Path) -> str:
     """The page's markdown, from ``results``' long-context rows."""
     results = Path(results)
+    # The sweeps whose points commit no per-question rows (rows_<...>.csv beside their records).
+    sweeps = ("recompute_curve", "gemma_controls", "finetune_dose")
+    bare = [name for name in sweeps if not any((results / name).glob("rows_*.csv"))]
     rows = _rows(results)
     diff = {m: {(r["n_fragments"], r["stratum"], r["metric"]): r for r in compare(rs)} for m, rs in rows.items()}
     s, g = "smollm2-135m", "gemma3-270m"
@@ -114,8 +117,14 @@ def render(results: str | Path) -> str:
         "* **A reference that is often wrong:** the joined prefill is the exact result a merge is compared with, "
         "and it answers many questions wrong (finding 5).",
         "* **One fine-tune run:** the foreign-reader and fine-tune dose findings rest on a single fine-tuning run.",
-        "* **Summaries only for some sweeps:** recompute_curve, gemma_controls and finetune_dose committed "
-        "summaries, not per-question rows, so their intervals are not recomputed here.",
+        *(
+            [
+                f"* **Summaries only for some sweeps:** {', '.join(bare)} committed summaries, not per-question "
+                "rows, so their intervals are not recomputed here."
+            ]
+            if bare
+            else []
+        ),
         "",
         "## The strongest findings",
         "",
