@@ -67,15 +67,32 @@ def test_ratio_one_is_reprefill(name):
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
-def test_recomputing_every_token_after_the_first_fragment_is_reprefill(name):
+@pytest.mark.parametrize("policy", ["fragment_start", "deviation", "random_later"])
+def test_recomputing_every_token_after_the_first_fragment_is_reprefill(name, policy):
     # Fragment 0 was prefilled at position 0 with all the context it ever has (causality),
-    # so only the later fragments are wrong; recomputing them all is exact.
+    # so only the later fragments are wrong; recomputing them all is exact. Every policy but the
+    # unfair `random` picks those tokens first, so each reaches the joined prefill at
+    # r* = (N - L0) / N: studies/recompute_curve.py ends its curve there.
     m = tiny(name)
     fs = frags(m)
     n = sum(f.length for f in fs)
     ratio = (n - fs[0].length) / n
-    merged = kvlab.merge(fs, "recompute", m, ratio=ratio, policy="fragment_start")
+    merged = kvlab.merge(fs, "recompute", m, ratio=ratio, policy=policy)
     assert_close(merged, kvlab.merge(fs, "reprefill", m), TOL_TINY)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
+@pytest.mark.parametrize("policy", ["fragment_start", "deviation", "random_later"])
+def test_a_budget_past_r_star_is_still_the_joined_prefill(name, policy):
+    # Past r* the policies pick fragment-0 tokens too. Those are exact already and are not run: on
+    # tiny-gemma3 (window 8) a run fragment-0 token would attend without the neighbours fragment 0's
+    # own sliding cache evicted, and its K would miss the joined prefill's by about 3.
+    m = tiny(name)
+    fs = frags(m)
+    n, first = sum(f.length for f in fs), fs[0].length
+    ref = kvlab.merge(fs, "reprefill", m)
+    for extra in (3, first - 1):
+        assert_close(kvlab.merge(fs, "recompute", m, ratio=(n - first + extra) / n, policy=policy), ref, TOL_TINY)
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])

@@ -47,7 +47,10 @@ class Recompute(Strategy):
         ``fragment_start`` (the first tokens of each fragment after the first, as evenly
         as their lengths allow), ``random`` (a seeded control over every token) or
         ``random_later`` (the fair control: seeded, drawn from the tokens after fragment 0,
-        the only ones a recompute can change, fragment 0's only once those run out).
+        the only ones a recompute can change, fragment 0's only once those run out). Every
+        policy but ``random`` ranks fragment 0's tokens last, so each reaches the joined
+        prefill at ``r* = (N - L0) / N``. Below ratio 1, the fragment-0 tokens a policy picks
+        count against the budget but are not run: they are exact already.
     check_layer : int, optional
         Layer whose keys ``deviation`` compares. Default: layer 1, or, when layer 1 is a
         sliding-window layer that no longer holds every merged token, the first later
@@ -96,7 +99,14 @@ class Recompute(Strategy):
             return merged
         decoder = Decoder.of(model, fragments, landings)
         chosen = self.select_tokens(decoder, merged)
-        recompute_tokens(decoder, merged, chosen, rotator, mask=self.mask)
+        if chosen.numel() < total:
+            # Fragment 0's tokens are exact already (prefilled at position 0 with all their context),
+            # so a budget spent on them (random, or past r* = (N - L0) / N) changes nothing. Run, on a
+            # sliding-window layer one would attend without the neighbours its fragment's own cache
+            # evicted, and be written back wrong (tests/cache/test_recompute.py).
+            chosen = chosen[chosen >= landings[1]] if len(landings) > 1 else chosen[:0]
+        if chosen.numel():
+            recompute_tokens(decoder, merged, chosen, rotator, mask=self.mask)
         return merged
 
     def select(self, fragments: list[Fragment], landings: list[int], model: LoadedModel) -> torch.Tensor:
@@ -146,6 +156,12 @@ class Recompute(Strategy):
             return fragment_start_positions([f.length for f in decoder.fragments], decoder.landings, k)
         layer = self._check_layer(decoder, merged)
         dev = key_deviation(decoder, merged, layer)
+        # Fragment 0 is exact already, so its deviation is float noise; on a sliding-window model a
+        # later token whose windows never leave its own fragment scores noise too, and the noise
+        # could rank fragment 0 first. Ranked last, as random_later ranks it, so a budget of
+        # N - L0 tokens recomputes every later one: the joined prefill.
+        first = decoder.landings[1] if len(decoder.landings) > 1 else decoder.total
+        dev[:first] = float("-inf")
         # Sorted so the chosen tokens run in position order (any order is exact; this one is cache-friendly).
         return torch.topk(dev, k).indices.sort().values.cpu()
 
