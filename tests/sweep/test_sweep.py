@@ -20,7 +20,7 @@ from kvlab.cli import main as cli
 from kvlab.errors import StudyError
 from kvlab.findings.records import make_record, read_records
 from kvlab.findings.rows import read_rows, write_rows
-from kvlab.sweep.point import run_point
+from kvlab.sweep.point import read_points, run_point
 from kvlab.sweep.run import plan, run_study
 from kvlab.sweep.study import load_study
 
@@ -304,16 +304,37 @@ def test_shipped_studies_check_against_their_notebooks(path):
 def test_a_study_notebook_beside_its_toml_runs_its_script(tmp_path):
     # studies/recompute_curve.ipynb imports studies/recompute_curve.py from its own folder; one small point.
     nb = Path(__file__).resolve().parents[2] / "studies" / "recompute_curve.ipynb"
-    path = tmp_path / "curve.toml"
+    path, out = tmp_path / "curve.toml", tmp_path / "out"
     path.write_text(
-        f'notebook = "{nb}"\noutput = "{tmp_path / "out"}"\n[parameters]\nratios = [0.1, 0.5]\ntokens = 64\nsets = 2\n'
-        '[grid]\nmodel_name = ["tiny-llama"]\npolicy = ["deviation"]\n'
+        f'notebook = "{nb}"\noutput = "{out}"\n[parameters]\nratios = [0.1, 0.5]\ntokens = 64\nsets = 2\n'
+        f'rows_dir = "{out}"\n[grid]\nmodel_name = ["tiny-llama"]\npolicy = ["deviation"]\n'
     )
     result = run_study(load_study(path), workers=1, progress=False)
     assert not result.failed, result.failed
-    rows = read_csv(tmp_path / "out" / "results.csv")
-    got = {r["metric"]: float(r["value"]) for r in rows}
-    assert 0 < got["removed_r0.1"] < got["removed_r0.5"] <= 1 and 0.1 < got["r90"] <= 1
+    got = {r["metric"]: r for r in read_csv(out / "results.csv")}
+    value = {m: float(r["value"]) for m, r in got.items()}
+    # The curve ends at r* (every token after fragment 0 recomputed: the joined prefill), not at 1.
+    assert 0 < value["removed_r0.1"] < value["removed_r0.5"] <= 1 and 0.1 < value["r90"] <= value["r_star"] < 1
+
+    sys.path.insert(0, str(nb.parent))
+    try:
+        import recompute_curve
+    finally:
+        sys.path.remove(str(nb.parent))
+    rows = read_rows(out / "rows_tiny-llama_deviation.csv")
+    stars = recompute_curve.r_star(rows)
+    assert len(stars) == 2 and value["r_star"] == pytest.approx(sum(stars.values()) / 2, rel=1e-5)
+    # The committed rows give back the recorded r90 and its interval (records keep 6 significant digits).
+    doc = recompute_curve.summarise(rows, [0.1, 0.5], ["deviation"], 0)
+    for field, col in (("mean", "value"), ("lo", "ci_low"), ("hi", "ci_high")):
+        assert doc["r90"]["deviation"][field] == pytest.approx(float(got["r90"][col]), rel=1e-5)
+    table = recompute_curve.sweep_table(out)
+    assert f"| {doc['r90']['deviation']['r_star']:.2f} (" in table
+    # The anchor is what the curve ends at: past the last ratio it runs to (r*, 1), not (1, 1) as the
+    # first run had it; ratios at or past r* are left out (the curve is 1 from r* on).
+    assert recompute_curve.crossing([0.1, 0.5], [0.3, 0.6], end=0.7) == pytest.approx(0.5 + 0.3 * 0.2 / 0.4)
+    assert recompute_curve.crossing([0.1, 0.5], [0.3, 0.6], end=1.0) == pytest.approx(0.5 + 0.3 * 0.5 / 0.4)
+    assert recompute_curve.crossing([0.1, 0.5, 0.8], [0.3, 0.6, 0.7], end=0.7) == pytest.approx(0.5 + 0.3 * 0.2 / 0.4)
 
 
 def test_the_naive_dose_study_asks_every_passage_at_every_count_and_keeps_its_rows(tmp_path):
@@ -367,7 +388,7 @@ def test_the_gemma_controls_study_reads_every_ablation(tmp_path):
     path = tmp_path / "controls.toml"
     path.write_text(
         f'notebook = "{nb}"\noutput = "{tmp_path / "out"}"\n[parameters]\nmodel_name = "tiny-gemma3"\nsets = 2\n'
-        "[grid]\ntokens = [24, 48]\n"
+        f'rows_dir = "{tmp_path / "out"}"\n[grid]\ntokens = [24, 48]\n'
     )
     result = run_study(load_study(path), workers=1, progress=False)
     assert not result.failed, result.failed
@@ -381,6 +402,27 @@ def test_the_gemma_controls_study_reads_every_ablation(tmp_path):
         assert got[t, "naive_minus_rerotate_span_kl"] == pytest.approx(
             got[t, "naive_span_kl"] - got[t, "rerotate_span_kl"], abs=1e-3
         )
+
+    # Each point's committed rows give back every interval it recorded (records keep 6 significant digits).
+    sys.path.insert(0, str(nb.parent))
+    try:
+        import gemma_controls
+    finally:
+        sys.path.remove(str(nb.parent))
+    table = gemma_controls.sweep_table(tmp_path / "out")
+    rows = [line for line in table.splitlines() if line.startswith("| 24 ") or line.startswith("| 48 ")]
+    assert len(rows) == 2 and all(line.endswith("| rows |") for line in rows)
+    point = next(p for p in read_points(tmp_path / "out") if p["parameters"]["tokens"] == 48)
+    again, from_rows = gemma_controls._recorded(point, tmp_path / "out")
+    assert from_rows
+    checked = 0
+    for r in point["records"]:
+        for field in ("value", "ci_low"):
+            want = float(r[field]) if r.get(field) is not None else float("nan")
+            if r["name"] in again and want == want:  # NaN shares (no excess to remove) stay NaN
+                assert float(again[r["name"]][field]) == pytest.approx(want, rel=1e-5, abs=1e-12), r["name"]
+                checked += 1
+    assert checked > 20
 
 
 def test_the_finetune_dose_notebook_runs_its_script(tmp_path):
