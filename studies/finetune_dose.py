@@ -39,6 +39,7 @@ import torch
 import kvlab
 from kvlab.findings import readers as study
 from kvlab.findings import rows as committed
+from kvlab.findings.rows import point_rows_path
 from kvlab.measure.mismatch import finetune_snapshots
 from kvlab.measure.stats import fmt_ci
 from kvlab.sweep.point import read_points
@@ -269,17 +270,6 @@ def figure(docs: list[dict], title: str | None = None):
     return fig
 
 
-def rows_path(folder, model_name: str) -> Path:
-    return Path(folder) / f"rows_{model_name}.csv"
-
-
-def write_rows(rows: list[dict], folder, model_name: str) -> Path:
-    """The per-question rows as ``<folder>/rows_<model>.csv`` (written whole, under a temporary name first)."""
-    path = rows_path(folder, model_name)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return committed.write_rows(path, rows)
-
-
 def _doc_from_point(point: dict, folder: Path) -> dict:
     """A :func:`measure`-shaped document rebuilt from one sweep point.
 
@@ -305,7 +295,7 @@ def _doc_from_point(point: dict, folder: Path) -> dict:
         if i > 0:
             e["span_kl_minus_previous"] = c(recs[f"span_kl_step{k}_minus_step{steps[i - 1]}"])
         doc["steps"][str(k)] = e
-    rows = rows_path(folder, par["model_name"])
+    rows = point_rows_path(folder, par["model_name"])
     if rows.exists():
         refusal = {k: doc["steps"][str(k)]["fields"] if doc["steps"][str(k)]["refused"] else None for k in steps}
         doc["steps"] = step_entries(

@@ -38,7 +38,7 @@ from pathlib import Path
 import kvlab
 from kvlab.cache.repro import ExactOnly, RerotateOnly
 from kvlab.findings import longctx, strata
-from kvlab.findings import rows as committed
+from kvlab.findings.rows import point_rows_path
 from kvlab.measure.stats import fmt_ci, gap_closed_ci
 from kvlab.sweep.point import read_points
 
@@ -153,21 +153,10 @@ def tables(doc: dict) -> str:
     return "\n".join(out)
 
 
-def rows_path(folder, model_name: str, tokens: int) -> Path:
-    return Path(folder) / f"rows_{model_name}_{tokens}.csv"
-
-
-def write_rows(rows: list[dict], folder, model_name: str, tokens: int) -> Path:
-    """One point's per-question rows as ``<folder>/rows_<model>_<tokens>.csv`` (written whole, or not at all)."""
-    path = rows_path(folder, model_name, tokens)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return committed.write_rows(path, rows)
-
-
 def _recorded(point: dict, folder: Path) -> tuple[dict[str, dict], bool]:
     """A point's records by name: recomputed from its committed rows where it has them (then ``True``)."""
     par = point["parameters"]
-    path = rows_path(folder, par["model_name"], par["tokens"])
+    path = point_rows_path(folder, par["model_name"], par["tokens"])
     if not path.exists():
         return {r["name"]: r for r in point["records"]}, False
     doc = summarise(strata.read_rows(path), par.get("seed", 0))

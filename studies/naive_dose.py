@@ -65,9 +65,9 @@ from pathlib import Path
 
 import kvlab
 from kvlab.findings import longctx, strata
-from kvlab.findings import rows as committed
 from kvlab.findings.evalset import EvalSet
 from kvlab.findings.qa import ask, passage_fragments, passage_texts
+from kvlab.findings.rows import point_rows_path, write_point_rows
 from kvlab.measure.stats import fmt_ci, holm, mean_ci, paired_diff_ci, paired_p, proportion_ci
 from kvlab.sweep.point import read_points
 
@@ -159,17 +159,6 @@ def length_rows(model, lengths=LENGTHS, count=4, *, sets=8, seed=0, greedy_token
         if log:
             log(f"{model.name}: length set {j + 1}/{sets}: {time.perf_counter() - t0:.0f} s")
     return rows
-
-
-def rows_path(folder, model_name: str) -> Path:
-    return Path(folder) / f"rows_{model_name}.csv"
-
-
-def write_rows(rows: list[dict], folder, model_name: str) -> Path:
-    """The per-question rows as ``<folder>/rows_<model>.csv`` (written whole, under a temporary name first)."""
-    path = rows_path(folder, model_name)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return committed.write_rows(path, rows)
 
 
 def read_rows(path) -> list[dict]:
@@ -570,7 +559,7 @@ def _points(folder: Path):
         if point["status"] != "ok":
             yield point, None
         elif pr["axis"] == "count":
-            doc = summarise_count(read_rows(rows_path(folder, pr["model_name"])))
+            doc = summarise_count(read_rows(point_rows_path(folder, pr["model_name"])))
             yield point, {"model": pr["model_name"], **doc}
         else:
             yield point, length_from_records(point["records"], pr["model_name"])
@@ -748,7 +737,7 @@ def main() -> None:
         log=print,
     )
     if args.axis == "count":
-        print(f"rows: {write_rows(rows, args.out, model.name)}")
+        print(f"rows: {write_point_rows(rows, args.out, model.name)}")
     print(report(doc))
     print(f"{time.perf_counter() - t0:.0f} s")
 

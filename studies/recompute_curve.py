@@ -11,9 +11,15 @@ the joined prefill (``kvlab certify`` checks both), so the curve runs from 0 to 
 Named before the run: for each policy and ratio, the share of rerotate's answer-span KL it
 removes, ``1 - mean(recompute) / mean(rerotate)`` over the same questions
 (``kvlab.measure.stats.gap_closed_ci``, resampled by cache, 95%); and per policy ``r90``, the ratio removing 90%,
-by linear interpolation of that curve (through (0, 0) and (1, 1)), with a cluster-bootstrap
-interval over caches (the whole curve resampled at once). Exact match against the truth is
-reported beside it.
+by linear interpolation of that curve, with a cluster-bootstrap interval over caches (the whole
+curve resampled at once). Exact match against the truth is reported beside it.
+
+The curve's far end is ``r* = (N - L0) / N`` (N the merged tokens, L0 fragment 0's): a recompute
+of that many tokens recomputes every token after fragment 0, which every policy here does at r*
+(they pick among those tokens first), so it *is* the joined prefill and removes the whole gap.
+The curve runs through (0, 0), the measured ratios and (r*, 1), r* the mean over the caches in
+the sample (each cache's from its rows: ``total_tokens``, ``first_tokens``); a ratio above r*
+adds nothing. (The first run of this study ended the curve at (1, 1), which put r90 beyond r*.)
 
     .venv/bin/python studies/recompute_curve.py --model smollm2-135m --sets 12
     .venv/bin/python studies/recompute_curve.py --model smollm2-135m --table
@@ -23,7 +29,6 @@ reported beside it.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import sys
 import time
@@ -32,8 +37,10 @@ from pathlib import Path
 import numpy as np
 
 import kvlab
-from kvlab.atomic import atomic_path, atomic_write_text
-from kvlab.findings import longctx
+from kvlab.atomic import atomic_write_text
+from kvlab.findings import longctx, strata
+from kvlab.findings import rows as committed
+from kvlab.findings.rows import point_rows_path
 from kvlab.measure.stats import fmt_ci
 from kvlab.sweep.point import read_points
 
@@ -55,17 +62,32 @@ def strategies(ratios, policies, seed: int) -> dict:
     return out
 
 
-def crossing(ratios, shares, target: float = TARGET) -> float:
-    """The first ratio where the piecewise-linear curve through (0, 0), the points and (1, 1) reaches ``target``."""
-    xs, ys = [0.0, *ratios, 1.0], [0.0, *shares, 1.0]
+def crossing(ratios, shares, target: float = TARGET, end: float = 1.0) -> float:
+    """The first ratio where the piecewise-linear curve through (0, 0), the points and (end, 1) reaches ``target``.
+
+    Measured ratios at or beyond ``end`` are left out: the curve is 1 from ``end`` on.
+    """
+    keep = [(x, y) for x, y in zip(ratios, shares) if x < end]
+    xs, ys = [0.0, *(x for x, _ in keep), end], [0.0, *(y for _, y in keep), 1.0]
     for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
         if y0 < target <= y1:
             return x0 + (target - y0) * (x1 - x0) / (y1 - y0)
-    return 0.0 if ys[0] >= target else 1.0
+    return 0.0 if ys[0] >= target else end
+
+
+def r_star(rows: list[dict]) -> dict:
+    """Each cache's r* = (N - L0) / N from its rows: ``cache -> r*`` (caches as :func:`kvlab.findings.longctx.cache_of`)."""
+    out = {}
+    for r in rows:
+        c = longctx.cache_of(r)
+        v = (r["total_tokens"] - r["first_tokens"]) / r["total_tokens"]
+        if out.setdefault(c, v) != v:
+            raise ValueError(f"cache {c}: rows disagree on its token counts")
+    return out
 
 
 def r90(rows: list[dict], policy: str, ratios, seed: int) -> dict:
-    """``r90`` of one policy and its cluster-bootstrap interval (caches resampled, the curve with them)."""
+    """``r90`` of one policy, its cluster-bootstrap interval (caches resampled, the curve and r* with them), and r*."""
     caches = sorted({longctx.cache_of(r) for r in rows})
     index = {c: i for i, c in enumerate(caches)}
     names = ["rerotate", *(label(policy, r) for r in ratios)]
@@ -73,12 +95,21 @@ def r90(rows: list[dict], policy: str, ratios, seed: int) -> dict:
     for r in rows:
         if r["strategy"] in names:
             sums[index[longctx.cache_of(r)], names.index(r["strategy"])] += float(r["span_kl"])
-    point = crossing(ratios, 1 - sums[:, 1:].sum(0) / sums[:, 0].sum())
+    ends = np.array([r_star(rows)[c] for c in caches])
+    point = crossing(ratios, 1 - sums[:, 1:].sum(0) / sums[:, 0].sum(), end=float(ends.mean()))
     rng = np.random.default_rng(seed)
     draws = rng.integers(0, len(caches), size=(N_BOOT, len(caches)))
-    boot = [crossing(ratios, 1 - s[1:] / s[0]) for s in sums[draws].sum(1)]
+    boot = [crossing(ratios, 1 - s[1:] / s[0], end=float(e)) for s, e in zip(sums[draws].sum(1), ends[draws].mean(1))]
     lo, hi = np.percentile(boot, [2.5, 97.5])
-    return {"mean": point, "lo": float(lo), "hi": float(hi), "caches": len(caches)}
+    return {
+        "mean": point,
+        "lo": float(lo),
+        "hi": float(hi),
+        "caches": len(caches),
+        "r_star": float(ends.mean()),
+        "r_star_min": float(ends.min()),
+        "r_star_max": float(ends.max()),
+    }
 
 
 def summarise(rows: list[dict], ratios, policies, seed: int) -> dict:
@@ -109,7 +140,7 @@ def tables(doc: dict) -> str:
     ]
     for p in policies:
         cells = [f(doc["share_of_rerotate_span_kl_removed"][label(p, r)]) for r in ratios]
-        out.append(f"| {p} | " + " | ".join(cells) + f" | {f(doc['r90'][p])} |")
+        out.append(f"| {p} | " + " | ".join(cells) + f" | {f(doc['r90'][p])} (r* {doc['r90'][p]['r_star']:.2f}) |")
     out += [
         "",
         "Exact match, recompute - rerotate (paired):",
@@ -163,34 +194,48 @@ def measure(
 
 
 def sweep_table(folder: Path) -> str:
-    """The markdown tables of a ``kvlab sweep studies/recompute_curve.toml`` output folder (its points' records)."""
+    """The markdown tables of a ``kvlab sweep studies/recompute_curve.toml`` output folder.
+
+    Every interval is recomputed from each point's committed rows (``rows_<model>_<policy>.csv``,
+    the same functions and seed as the run), so r90 is anchored at r*; a point without rows (a run
+    before they were kept) is refused rather than shown with its old anchor.
+    """
     points = read_points(folder)
     out = []
     for model in dict.fromkeys(p["parameters"]["model_name"] for p in points):
         mine = [p for p in points if p["parameters"]["model_name"] == model and p["status"] == "ok"]
+        docs = []
+        for p in mine:
+            par = p["parameters"]
+            path = point_rows_path(folder, model, par["policy"])
+            if not path.exists():
+                raise FileNotFoundError(f"{path}: point {p['point']} committed no rows; rerun the sweep")
+            rows = strata.read_rows(path)
+            docs.append(summarise(rows, par["ratios"], [par["policy"]], par.get("seed", 0)))
         ratios = mine[0]["parameters"]["ratios"]
-        rec = lambda p, name: next(r for r in p["records"] if r["name"] == name)  # noqa: E731
-        f = lambda r, fmt=".2f": f"{r['value']:{fmt}} [{r['ci_low']:{fmt}}, {r['ci_high']:{fmt}}]"  # noqa: E731
-        rot = rec(mine[0], "rerotate_span_kl")
+        f = lambda c, fmt=".2f": fmt_ci(c, fmt)  # noqa: E731
+        rot = {s["strategy"]: s for s in docs[0]["summary"]}["rerotate"]
         out += [
             f"{model}: share of rerotate's answer-span KL removed ({rot['n']} questions over "
-            f"{rot['extra']['caches']} caches; rerotate's answer-span KL {f(rot, '.3f')} nats/token)",
+            f"{rot['n_caches']} caches; rerotate's answer-span KL {f(rot['span_kl'], '.3f')} nats/token)",
             "",
-            "| policy | " + " | ".join(f"r = {r:g}" for r in ratios) + " | r90 | wall |",
-            "|" + "---|" * (len(ratios) + 3),
+            "| policy | " + " | ".join(f"r = {r:g}" for r in ratios) + " | r90 | r* (range) | wall |",
+            "|" + "---|" * (len(ratios) + 4),
         ]
-        for p in mine:
-            cells = [f(rec(p, f"removed_r{r:g}")) for r in ratios]
+        for p, doc in zip(mine, docs):
+            pol = p["parameters"]["policy"]
+            cells = [f(doc["share_of_rerotate_span_kl_removed"][label(pol, r)]) for r in ratios]
+            x = doc["r90"][pol]
             out.append(
-                f"| {p['parameters']['policy']} | "
-                + " | ".join(cells)
-                + f" | {f(rec(p, 'r90'))} | {p['wall_s'] / 60:.1f} min |"
+                f"| {pol} | " + " | ".join(cells) + f" | {f(x)} | {x['r_star']:.2f} ({x['r_star_min']:.2f}-"
+                f"{x['r_star_max']:.2f}) | {p['wall_s'] / 60:.1f} min |"
             )
         out += ["", "Exact match, recompute - rerotate (paired):", ""]
         out += ["| policy | " + " | ".join(f"r = {r:g}" for r in ratios) + " |", "|" + "---|" * (len(ratios) + 1)]
-        for p in mine:
-            cells = [f(rec(p, f"em_minus_rerotate_r{r:g}"), "+.3f") for r in ratios]
-            out.append(f"| {p['parameters']['policy']} | " + " | ".join(cells) + " |")
+        for p, doc in zip(mine, docs):
+            pol = p["parameters"]["policy"]
+            cells = [f(doc["paired_em_minus_rerotate"][label(pol, r)], "+.3f") for r in ratios]
+            out.append(f"| {pol} | " + " | ".join(cells) + " |")
         out.append("")
     return "\n".join(out)
 
@@ -233,10 +278,7 @@ def main() -> None:
         seed=args.seed,
         log=lambda m: print(m, flush=True),
     )
-    with atomic_path(path.with_suffix(".csv")) as tmp, open(tmp, "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    committed.write_rows(path.with_suffix(".csv"), rows)
     doc = {**doc, "command": " ".join(["studies/recompute_curve.py"] + sys.argv[1:])}
     doc["wall_s"] = time.perf_counter() - started
     atomic_write_text(path, json.dumps(doc, indent=1, default=float))

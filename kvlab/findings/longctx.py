@@ -126,7 +126,8 @@ def run(
     Returns
     -------
     rows : list of dict
-        :func:`kvlab.findings.qa.ask` rows plus ``n_fragments``, ``set``, ``fragment_tokens`` and ``total_tokens``.
+        :func:`kvlab.findings.qa.ask` rows plus ``n_fragments``, ``set``, ``fragment_tokens``, ``total_tokens``
+        and ``first_tokens`` (fragment 0's length, which no merge changes).
     timings : dict
         ``n_fragments -> seconds`` of wall time for that configuration (prefill, merges, answers).
     """
@@ -156,7 +157,13 @@ def run(
                 fragments=frags,
                 probes=probes,
             ):
-                r.update(n_fragments=k, set=j, fragment_tokens=fragment_tokens, total_tokens=total)
+                r.update(
+                    n_fragments=k,
+                    set=j,
+                    fragment_tokens=fragment_tokens,
+                    total_tokens=total,
+                    first_tokens=frags[0].length,
+                )
                 rows.append(r)
             n_questions += len(s.questions)
         timings[k] = time.perf_counter() - t0

@@ -40,6 +40,18 @@ def write_rows(path: str | Path, rows: list[dict]) -> Path:
     return Path(path)
 
 
+def point_rows_path(folder: str | Path, *key) -> Path:
+    """Where a sweep point commits its rows: ``<folder>/rows_<key>_<key>...csv`` (model, then the grid's values)."""
+    return Path(folder) / ("rows_" + "_".join(map(str, key)) + ".csv")
+
+
+def write_point_rows(rows: list[dict], folder: str | Path, *key) -> Path:
+    """A sweep point's per-question rows, at :func:`point_rows_path` (written whole, or not at all)."""
+    path = point_rows_path(folder, *key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return write_rows(path, rows)
+
+
 def read_rows(path: str | Path, text: Iterable[str] = ()) -> list[dict]:
     """The rows of a study's per-question CSV, typed back; columns in ``text`` stay strings (an answer "1893")."""
     keep = set(text)

@@ -11,17 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_naive_dose_results import INTERVAL, intervals, missing
+from test_naive_dose_results import INTERVAL, intervals, missing, section
 
 ROOT = Path(__file__).resolve().parents[2]
 HEADING = "## The fine-tune dose-response"
-
-
-def section() -> str:
-    page = (ROOT / "results" / "README.md").read_text()
-    start = page.index(HEADING)
-    end = page.find("\n## ", start + len(HEADING))
-    return page[start : end if end > 0 else None]
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +28,7 @@ def table() -> str:
 
 
 def test_every_interval_in_the_section_is_recomputed_from_the_rows(table):
-    text = section()
+    text = section(HEADING)
     assert table.count("every interval recomputed from rows_") == 2, "both points committed their rows"
     assert len(intervals(text)) > 50, "the section prints the sweep table"
     assert not missing(text, table), (
@@ -46,7 +39,7 @@ def test_every_interval_in_the_section_is_recomputed_from_the_rows(table):
 
 
 def test_an_altered_interval_fails(table):
-    text = section()
+    text = section(HEADING)
     found = INTERVAL.findall(text)[5]
     bumped = found.replace("]", "1]", 1)  # one more digit on the upper bound: no longer printed
     assert missing(text.replace(found, bumped, 1), table) == intervals(bumped)

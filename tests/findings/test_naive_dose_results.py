@@ -23,10 +23,11 @@ def intervals(text: str) -> list[str]:
     return [m.replace("−", "-") for m in INTERVAL.findall(text)]
 
 
-def section() -> str:
+def section(heading: str = HEADING) -> str:
+    """The part of results/README.md from ``heading`` to the next second-level heading."""
     page = (ROOT / "results" / "README.md").read_text()
-    start = page.index(HEADING)
-    end = page.find("\n## ", start + len(HEADING))
+    start = page.index(heading)
+    end = page.find("\n## ", start + len(heading))
     return page[start : end if end > 0 else None]
 
 
