@@ -151,8 +151,10 @@ def render(results: str | Path) -> str:
         "closer to the joined prefill; late and last: rerotate closer), so order, not absolute offset, sets the "
         "sign ([README.md](README.md#the-dose-response-of-a-naive-merge)). That rests on 4 sets (3 on Gemma 3, "
         "where naive is worse everywhere); more sets, and which part of order matters, are open.",
-        "* **The recompute curve's r90** is anchored at r = 1, but every policy reaches the joined prefill at "
-        "r* = (N − L₀)/N ≈ 0.74; re-anchoring needs the per-question rows that sweep did not commit.",
+        "* **The recompute curve between r = 0.5 and r*.** The curve now ends at r* = (N − L₀)/N, where every "
+        "policy is the joined prefill, and is recomputed from committed rows "
+        "([README.md](README.md#the-recompute-curve)). No policy removes 90% by r = 0.5, the largest ratio run, "
+        "so each r90 is interpolated between 0.5 and r*; ratios in that span have not been measured.",
         "* **Text nobody here wrote:** an external check on standard long-context haystacks (needle in a "
         "haystack / RULER style essays) has not been run.",
         "",
