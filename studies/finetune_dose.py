@@ -78,7 +78,7 @@ def measure(
 ) -> dict:
     """Every snapshot reads every question of every producer cache: ``(rows, summary document)`` (no wall time).
 
-    ``rows``: one per (reader, cache, question), as :func:`write_rows` commits them.
+    ``rows``: one per (reader, cache, question), as :func:`kvlab.findings.rows.write_point_rows` commits them.
 
     ``check_step`` (one of ``steps``, or ``None``): the snapshot compared with an independent
     fine-tune of that many steps. The fine-tune takes :data:`kvlab.measure.mismatch.FINETUNE_DEFAULTS`

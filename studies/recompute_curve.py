@@ -82,7 +82,7 @@ def r_star(rows: list[dict]) -> dict:
         c = longctx.cache_of(r)
         v = (r["total_tokens"] - r["first_tokens"]) / r["total_tokens"]
         if out.setdefault(c, v) != v:
-            raise ValueError(f"cache {c}: rows disagree on its token counts")
+            raise kvlab.KvlabError(f"cache {c}: rows disagree on its token counts")
     return out
 
 
@@ -95,7 +95,8 @@ def r90(rows: list[dict], policy: str, ratios, seed: int) -> dict:
     for r in rows:
         if r["strategy"] in names:
             sums[index[longctx.cache_of(r)], names.index(r["strategy"])] += float(r["span_kl"])
-    ends = np.array([r_star(rows)[c] for c in caches])
+    stars = r_star(rows)
+    ends = np.array([stars[c] for c in caches])
     point = crossing(ratios, 1 - sums[:, 1:].sum(0) / sums[:, 0].sum(), end=float(ends.mean()))
     rng = np.random.default_rng(seed)
     draws = rng.integers(0, len(caches), size=(N_BOOT, len(caches)))

@@ -76,6 +76,11 @@ class Decoder:
     device: torch.device
     dtype: torch.dtype
 
+    @property
+    def later(self) -> int:
+        """The first position after fragment 0 (``N`` for one fragment): the tokens a recompute can change start here."""
+        return self.landings[1] if len(self.landings) > 1 else self.total
+
     @classmethod
     def of(cls, model: LoadedModel, fragments: list[Fragment], landings: list[int]) -> Decoder:
         """Check that ``model`` and ``fragments`` can be recomputed, and collect the parts."""

@@ -104,7 +104,7 @@ class Recompute(Strategy):
             # so a budget spent on them (random, or past r* = (N - L0) / N) changes nothing. Run, on a
             # sliding-window layer one would attend without the neighbours its fragment's own cache
             # evicted, and be written back wrong (tests/cache/test_recompute.py).
-            chosen = chosen[chosen >= landings[1]] if len(landings) > 1 else chosen[:0]
+            chosen = chosen[chosen >= decoder.later]
         if chosen.numel():
             recompute_tokens(decoder, merged, chosen, rotator, mask=self.mask)
         return merged
@@ -147,7 +147,7 @@ class Recompute(Strategy):
         if self.policy == "random_later":
             # Fragment 0 sits where it was prefilled with all the context it ever has: exact already.
             g = torch.Generator().manual_seed(self.seed)
-            first = decoder.landings[1] if len(decoder.landings) > 1 else decoder.total
+            first = decoder.later
             order = torch.cat(
                 [first + torch.randperm(decoder.total - first, generator=g), torch.randperm(first, generator=g)]
             )
@@ -160,8 +160,7 @@ class Recompute(Strategy):
         # later token whose windows never leave its own fragment scores noise too, and the noise
         # could rank fragment 0 first. Ranked last, as random_later ranks it, so a budget of
         # N - L0 tokens recomputes every later one: the joined prefill.
-        first = decoder.landings[1] if len(decoder.landings) > 1 else decoder.total
-        dev[:first] = float("-inf")
+        dev[: decoder.later] = float("-inf")
         # Sorted so the chosen tokens run in position order (any order is exact; this one is cache-friendly).
         return torch.topk(dev, k).indices.sort().values.cpu()
 
