@@ -121,14 +121,37 @@ def plan(only: list[str] | None, params: dict[str, str], model: str | None) -> l
     return out
 
 
+def cell_texts(cell) -> list[str]:
+    """A cell's printed text: each run of stream outputs of one name joined, then every ``text/plain`` result.
+
+    A kernel sends one ``print`` as several stream messages when its output is flushed between
+    writes (a loaded machine does this), so a line can arrive split across outputs; joined, it
+    reads as printed.
+    """
+    texts, stream, name = [], [], None
+    for o in cell.get("outputs", []):
+        if o.get("output_type") == "stream" and o.get("name") == name:
+            stream.append(o.get("text", ""))
+            continue
+        if stream:
+            texts.append("".join(stream))
+        stream, name = [], None
+        if o.get("output_type") == "stream":
+            stream, name = [o.get("text", "")], o.get("name")
+        elif o.get("data", {}).get("text/plain"):
+            texts.append(o["data"]["text/plain"])
+    if stream:
+        texts.append("".join(stream))
+    return texts
+
+
 def finding(nb_path: Path) -> str:
     """The last ``Finding:`` line a run notebook printed."""
     import nbformat
 
     lines = []
     for cell in nbformat.read(nb_path, as_version=4).cells:
-        for o in cell.get("outputs", []):
-            text = o.get("text") or o.get("data", {}).get("text/plain", "")
+        for text in cell_texts(cell):
             lines += [l for l in text.splitlines() if l.startswith("Finding:")]
     return lines[-1][len("Finding:") :].strip() if lines else "(no finding printed)"
 

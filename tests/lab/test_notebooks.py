@@ -579,6 +579,26 @@ def test_the_markdown_number_check_finds_a_typed_number():
     assert [n for n in found if not re.search(rf"(?<![\w.]){re.escape(n)}(?![\w])", printed)] == ["512"]
 
 
+def test_a_finding_split_across_stream_outputs_is_read_whole(tmp_path):
+    # Under load a kernel flushes one print's writes as separate stream messages ("Finding:",
+    # " on ...", "\n"): read output by output, the line was "Finding:" alone and the finding empty.
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell("print('Finding:', x)")
+    cell.outputs = [
+        nbformat.v4.new_output("stream", name="stdout", text="Finding:"),
+        nbformat.v4.new_output("stream", name="stdout", text=" on tiny-gemma3, rerotate wins"),
+        nbformat.v4.new_output("stream", name="stderr", text="a warning\n"),
+        nbformat.v4.new_output("stream", name="stdout", text=".\n"),
+    ]
+    nb.cells = [cell]
+    path = tmp_path / "split.ipynb"
+    nbformat.write(nb, path)
+    # stderr between the parts ends the run: what follows it is another line, not this finding's.
+    assert finding(path) == "on tiny-gemma3, rerotate wins"
+
+
 def test_explorer_labels_nope_layers_and_shows_them_without_a_phase():
     from kvlab.lab.explorer import MergeExplorer
 
