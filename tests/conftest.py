@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import sys
+from pathlib import Path
 
 os.environ.setdefault("MPLBACKEND", "Agg")
 
@@ -49,6 +51,32 @@ def pytest_collection_modifyitems(config, items):
 @functools.cache
 def tiny(name: str) -> kvlab.LoadedModel:
     return kvlab.load_model(name)
+
+
+STUDIES = Path(__file__).resolve().parents[1] / "studies"
+
+
+@functools.cache
+def study_module(name: str):
+    """``studies/<name>.py`` imported as the module ``name`` (the folder is scripts, not a package).
+
+    ``studies/`` is on ``sys.path`` while it loads, as when the script runs, so a study that
+    imports a sibling finds it.
+    """
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, STUDIES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickling look a module up by name
+    sys.path.insert(0, str(STUDIES))
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    finally:
+        sys.path.remove(str(STUDIES))
+    return module
 
 
 @pytest.fixture(scope="session")

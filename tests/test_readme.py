@@ -23,6 +23,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from conftest import study_module
+
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 PAGES = [
@@ -382,18 +384,16 @@ def test_notebook_06_numbers_on_the_page_are_its_stored_outputs():
 
 def test_attention_mass_tables_are_recomputed_from_the_committed_rows():
     # The SmolLM2 puzzle's experiment (d): the page prints studies/attention_mass.py --markdown.
-    spec = importlib.util.spec_from_file_location("attention_mass", ROOT / "studies" / "attention_mass.py")
-    study = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(study)
+    attention_mass = study_module("attention_mass")
     from kvlab.findings.rows import read_rows
 
     rows = read_rows(ROOT / "results" / "attention_mass_smollm2-135m.csv")
     page = _section(ROOT / "results" / "README.md", "## Where the question looks")
-    assert study.table(rows) in page, "regenerate: studies/attention_mass.py --markdown"
+    assert attention_mass.table(rows) in page, "regenerate: studies/attention_mass.py --markdown"
     assert len({r["set"] for r in rows}) == 10 and {r["n_fragments"] for r in rows} == {2, 4, 8}
     # Teeth: one question's mass moved changes what is printed.
     rows[0] = {**rows[0], "first_tokens": rows[0]["first_tokens"] + 0.5}
-    assert study.table(rows) not in page
+    assert attention_mass.table(rows) not in page
 
 
 def test_merge_puzzle_tables_are_recomputed_from_the_committed_rows():

@@ -107,7 +107,7 @@ def _word(rng: random.Random, syllables: int) -> str:
     ).capitalize()
 
 
-class _Names:
+class Names:
     """Unique invented names (no name is a prefix-free duplicate of another)."""
 
     def __init__(self, rng: random.Random):
@@ -175,7 +175,7 @@ def generate_evalset(
         raise EvalSetError(f"passage_tokens must be >= 1, got {passage_tokens}")
     count = count_tokens or _word_count
     rng = random.Random(seed)
-    names = _Names(rng)
+    names = Names(rng)
     people = [[names.person() for _ in range(people_per_passage)] for _ in range(n_passages)]
     home = {p: names.town() for row in people for p in row}
     born = {p: rng.randint(1780, 1960) for row in people for p in row}

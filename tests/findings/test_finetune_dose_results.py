@@ -7,11 +7,12 @@ Every interval in the section (``mean [lo, hi]``) must be one that ``studies/fin
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 from test_naive_dose_results import INTERVAL, intervals, missing, section
+
+from conftest import study_module
 
 ROOT = Path(__file__).resolve().parents[2]
 HEADING = "## The fine-tune dose-response"
@@ -19,11 +20,7 @@ HEADING = "## The fine-tune dose-response"
 
 @pytest.fixture(scope="module")
 def table() -> str:
-    sys.path.insert(0, str(ROOT / "studies"))
-    try:
-        import finetune_dose
-    finally:
-        sys.path.remove(str(ROOT / "studies"))
+    finetune_dose = study_module("finetune_dose")
     return finetune_dose.sweep_table(ROOT / "results" / "finetune_dose")
 
 

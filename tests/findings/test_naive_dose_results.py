@@ -9,10 +9,11 @@ results/naive_dose`` prints now: the count axis's recomputed from the committed 
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import study_module
 
 ROOT = Path(__file__).resolve().parents[2]
 HEADING = "## The dose-response of a naive merge"
@@ -33,11 +34,7 @@ def section(heading: str = HEADING) -> str:
 
 @pytest.fixture(scope="module")
 def table() -> str:
-    sys.path.insert(0, str(ROOT / "studies"))
-    try:
-        import naive_dose
-    finally:
-        sys.path.remove(str(ROOT / "studies"))
+    naive_dose = study_module("naive_dose")
     return naive_dose.sweep_table(ROOT / "results" / "naive_dose")
 
 

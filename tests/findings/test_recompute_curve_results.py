@@ -7,11 +7,12 @@ Every interval in the section (``mean [lo, hi]``) must be one that ``studies/rec
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 from test_naive_dose_results import INTERVAL, intervals, missing, section
+
+from conftest import study_module
 
 ROOT = Path(__file__).resolve().parents[2]
 HEADING = "## The recompute curve"
@@ -19,11 +20,7 @@ HEADING = "## The recompute curve"
 
 @pytest.fixture(scope="module")
 def study():
-    sys.path.insert(0, str(ROOT / "studies"))
-    try:
-        import recompute_curve
-    finally:
-        sys.path.remove(str(ROOT / "studies"))
+    recompute_curve = study_module("recompute_curve")
     return recompute_curve
 
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import kvlab
+from conftest import study_module
 from kvlab.cli import main as cli
 from kvlab.errors import StudyError
 from kvlab.findings.records import make_record, read_records
@@ -316,11 +317,7 @@ def test_a_study_notebook_beside_its_toml_runs_its_script(tmp_path):
     # The curve ends at r* (every token after fragment 0 recomputed: the joined prefill), not at 1.
     assert 0 < value["removed_r0.1"] < value["removed_r0.5"] <= 1 and 0.1 < value["r90"] <= value["r_star"] < 1
 
-    sys.path.insert(0, str(nb.parent))
-    try:
-        import recompute_curve
-    finally:
-        sys.path.remove(str(nb.parent))
+    recompute_curve = study_module("recompute_curve")
     rows = read_rows(out / "rows_tiny-llama_deviation.csv")
     stars = recompute_curve.r_star(rows)
     assert len(stars) == 2 and value["r_star"] == pytest.approx(sum(stars.values()) / 2, rel=1e-5)
@@ -361,13 +358,7 @@ def test_the_naive_dose_study_asks_every_passage_at_every_count_and_keeps_its_ro
     assert got["count", "direct_d0"]["n"] == "4"
     assert {("length", "length_32"), ("length", "length_64")} <= set(got)
 
-    import sys
-
-    sys.path.insert(0, str(nb.parent))
-    try:
-        import naive_dose
-    finally:
-        sys.path.remove(str(nb.parent))
+    naive_dose = study_module("naive_dose")
     rows = naive_dose.read_rows(out / "rows_tiny-llama.csv")
     for k in (2, 4):
         for j in (0, 1):
@@ -404,11 +395,7 @@ def test_the_gemma_controls_study_reads_every_ablation(tmp_path):
         )
 
     # Each point's committed rows give back every interval it recorded (records keep 6 significant digits).
-    sys.path.insert(0, str(nb.parent))
-    try:
-        import gemma_controls
-    finally:
-        sys.path.remove(str(nb.parent))
+    gemma_controls = study_module("gemma_controls")
     table = gemma_controls.sweep_table(tmp_path / "out")
     rows = [line for line in table.splitlines() if line.startswith("| 24 ") or line.startswith("| 48 ")]
     assert len(rows) == 2 and all(line.endswith("| rows |") for line in rows)
@@ -443,11 +430,7 @@ def test_the_finetune_dose_notebook_runs_its_script(tmp_path):
     assert 0 < value["span_kl_step1"] and 0 < value["span_kl_step2"]
 
     # The committed rows give back every interval the point recorded (records keep 6 significant digits).
-    sys.path.insert(0, str(nb.parent))
-    try:
-        import finetune_dose
-    finally:
-        sys.path.remove(str(nb.parent))
+    finetune_dose = study_module("finetune_dose")
     rows = read_rows(out / "rows_tiny-llama.csv", text=("reader", "kind"))
     assert {(r["reader"], r["cache"]) for r in rows} == {(f"step{k}", c) for k in (0, 1, 2) for c in (0, 1)}
     doc = finetune_dose.step_entries(rows, [0, 1, 2], {0: None, 1: ["x"], 2: ["x"]})

