@@ -34,8 +34,12 @@ paired over the same questions:
     .venv/bin/python studies/haystack.py --model smollm2-135m [--haystacks 20] [--first-set 0]
     .venv/bin/python studies/haystack.py --model smollm2-135m --markdown   # tables from the committed rows
 
-Writes ``results/haystack_<model>.csv`` (one row per question x strategy, with its haystack,
-count, layout and depth) and ``.json`` (the run: arguments, wall time per haystack, command, CPU).
+Writes ``results/haystack_<model>.csv`` (one row per question x strategy: the
+:func:`kvlab.findings.qa.ask` columns plus ``set`` (the haystack), ``n_fragments``, ``layout``,
+``depth``, ``needle_at`` (the needle's first position in the merge, counted by the tokenizer on
+the text before it, so within a token or two at the joins), ``total_tokens``, ``first_tokens``,
+``captured`` and ``ref_captured`` (the answer, and the joined prefill's, is another needle's
+code)) and ``.json`` (the run: arguments, wall time per haystack, command, CPU).
 """
 
 from __future__ import annotations

@@ -96,7 +96,15 @@ def corpus(seed: int = 0) -> tuple[str, ...]:
 
 
 def _fill(sents: Sequence[str], start: int, budget: int, count: Callable[[str], int]) -> int:
-    """How many sentences from ``start`` fit in ``budget`` tokens, joined by spaces (at least one)."""
+    """The end of the run of sentences from ``start`` that fits in ``budget`` tokens, joined by spaces.
+
+    Raises
+    ------
+    EvalSetError
+        The sentence at ``start`` alone is longer than ``budget`` (a passage would break its budget).
+    """
+    if count(sents[start]) > budget:
+        raise EvalSetError(f"essay sentence {start} alone is longer than a passage's {budget}-token budget")
     end = start + 1
     while end < len(sents) and count(" ".join(sents[start : end + 1])) <= budget:
         end += 1

@@ -90,6 +90,10 @@ def test_bad_haystacks_are_refused():
         haystack.haystack_set(sents, len(sents) - 2, 4, 64, (0.5,), words, rng, names)
     with pytest.raises(EvalSetError, match=">= 1 fragment of >= 32 tokens"):
         haystack.haystack_set(sents, 0, 2, 16, (0.5,), words, rng, names)
+    # A sentence longer than a passage's budget is refused, not let through over budget.
+    long = next(i for i, s in enumerate(sents) if words(s) > 40)
+    with pytest.raises(EvalSetError, match=f"sentence {long} alone is longer than a passage's"):
+        haystack.haystack_set(sents, long, 1, 40, (0.5,), words, rng, names)
 
 
 def test_captured_is_another_needles_code_only():
