@@ -61,13 +61,23 @@ def _summary(rows: list[dict], by: tuple[str, ...], seed: int) -> dict:
     return {tuple(r[k] for k in by): r for r in longctx.summarize(rows, by, seed=seed)}
 
 
-def table(rows: list[dict], model: str, seed: int = 0) -> str:
-    """Markdown: exact match and answer-span KL per count and strategy, by depth, the named family, and capture."""
+def _parts(rows: list[dict], seed: int) -> dict:
+    """The single-needle summaries (pooled, by depth) and the family: bootstraps both printers share."""
     single = [r for r in rows if r["layout"] == "single"]
+    return {
+        "pooled": _summary(single, ("n_fragments", "strategy"), seed),
+        "depth": _summary(single, ("n_fragments", "depth", "strategy"), seed),
+        "family": family(rows, seed),
+    }
+
+
+def table(rows: list[dict], model: str, seed: int = 0, parts: dict | None = None) -> str:
+    """Markdown: exact match and answer-span KL per count and strategy, by depth, the named family, and capture."""
     multi = [r for r in rows if r["layout"] == "multi"]
     counts = sorted({r["n_fragments"] for r in rows})
     n_hay = len({r["set"] for r in rows})
-    pooled = _summary(single, ("n_fragments", "strategy"), seed)
+    parts = parts or _parts(rows, seed)
+    pooled = parts["pooled"]
     lines = [
         f"**{model}**, {n_hay} haystacks; single needles, pooled over the {len(DEPTHS)} depths "
         "(95% intervals: cluster bootstrap over haystacks)",
@@ -81,7 +91,7 @@ def table(rows: list[dict], model: str, seed: int = 0) -> str:
             lines.append(
                 f"| {k} | {s} | {r['n']} | {r['n_caches']} | {fmt_ci(r['span_kl'], '.3f')} | {fmt_ci(r['em'], '.2f')} |"
             )
-    depth = _summary(single, ("n_fragments", "depth", "strategy"), seed)
+    depth = parts["depth"]
     lines += [
         "",
         "Exact match by needle depth (share of the haystack; one cache per haystack and depth). "
@@ -103,7 +113,7 @@ def table(rows: list[dict], model: str, seed: int = 0) -> str:
         "| comparison | n | haystacks | difference [95% CI] | p | Holm p |",
         "|---|---|---|---|---|---|",
     ]
-    for r in family(rows, seed):
+    for r in parts["family"]:
         c = r["ci"]
         spec = "+.3f" if "KL" in r["label"] else "+.2f"
         lines.append(
@@ -141,22 +151,22 @@ def _said(r: dict, spec: str) -> str:
     return f"{fmt_ci(r['ci'], spec)} (Holm p {r['p_holm']:.3f}, {verdict})"
 
 
-def conclusions(rows: list[dict], model: str, seed: int = 0) -> list[str]:
+def conclusions(rows: list[dict], model: str, seed: int = 0, parts: dict | None = None) -> list[str]:
     """What the rows say of one model, as markdown bullets printed from them (every number computed here).
 
     A named comparison is called resolved when its Holm-adjusted p is at most 0.05.
     """
-    single = [r for r in rows if r["layout"] == "single"]
     counts = sorted({r["n_fragments"] for r in rows})
-    pooled = _summary(single, ("n_fragments", "strategy"), seed)
-    fam = {r["label"]: r for r in family(rows, seed)}
+    parts = parts or _parts(rows, seed)
+    pooled = parts["pooled"]
+    fam = {r["label"]: r for r in parts["family"]}
 
     def each(what: str, spec: str) -> str:
         return "; ".join(f"{k} fragments {_said(fam[what.format(k=k)], spec)}" for k in counts)
 
     first = pooled[counts[0], "reprefill"]
     top = counts[-1]
-    depth = _summary(single, ("n_fragments", "depth", "strategy"), seed)
+    depth = parts["depth"]
     by_depth = "; ".join(
         f"{s} " + ", ".join(f"{depth[top, d, s]['em'].mean:.2f}" for d in DEPTHS if (top, d, s) in depth)
         for s in STRATEGIES
@@ -182,5 +192,6 @@ def conclusions(rows: list[dict], model: str, seed: int = 0) -> list[str]:
 
 
 def markdown(rows: list[dict], model: str, seed: int = 0) -> str:
-    """The README's part for one model: :func:`table`, then :func:`conclusions`."""
-    return table(rows, model, seed) + "\n\n" + "\n".join(conclusions(rows, model, seed))
+    """The README's part for one model: :func:`table`, then :func:`conclusions` (one set of bootstraps for both)."""
+    parts = _parts(rows, seed)
+    return table(rows, model, seed, parts) + "\n\n" + "\n".join(conclusions(rows, model, seed, parts))
