@@ -40,22 +40,17 @@ family of all fifteen (5 per count):
 
 from __future__ import annotations
 
-import argparse
-import json
-import time
 from pathlib import Path
 
 import torch
 
 import kvlab
-from kvlab.atomic import atomic_write_text
 from kvlab.cache.fragments import clone_cache, tokenize
 from kvlab.findings import longctx
 from kvlab.findings.evalset import EvalSet
 from kvlab.findings.qa import passage_fragments, passage_texts
-from kvlab.findings.rows import read_rows, run_sets
-from kvlab.lab import setup
-from kvlab.lab.provenance import study_run
+from kvlab.findings.rows import read_rows
+from kvlab.lab.study import run_set_study, set_study_parser
 from kvlab.measure.stats import fmt_ci, paired_family
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
@@ -180,31 +175,18 @@ def table(rows: list[dict], seed: int = 0) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--sets", type=int, default=20)
-    ap.add_argument("--tokens", type=int, default=512)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=RESULTS)
-    ap.add_argument("--markdown", action="store_true", help="print the tables from the committed rows; no model")
-    args = ap.parse_args()
+    args = set_study_parser(__doc__, RESULTS, split=False).parse_args()
     path = args.out / f"attention_mass_{args.model}.csv"
     if args.markdown:
         print(table(read_rows(path), args.seed))
         return
-    setup(args.seed)
-    model = kvlab.load_model(args.model)
-    started = time.perf_counter()
-    rows, walls = run_sets(path, range(args.sets), lambda j: set_rows(model, j, args.tokens, args.seed))
-    meta = {
-        "model": model.name,
-        "sets": args.sets,
-        "tokens": args.tokens,
-        "counts": list(COUNTS),
-        "set_wall_s": walls,
-        **study_run("studies/attention_mass.py", started),
-    }
-    atomic_write_text(path.with_suffix(".json"), json.dumps(meta, indent=1) + "\n")
+    rows, _ = run_set_study(
+        "studies/attention_mass.py",
+        path,
+        args,
+        lambda model, j: set_rows(model, j, args.tokens, args.seed),
+        counts=list(COUNTS),
+    )
     print(table(rows, args.seed))
 
 

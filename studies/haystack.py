@@ -44,22 +44,16 @@ code)) and ``.json`` (the run: arguments, wall time per haystack, command, CPU).
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
-import time
 from pathlib import Path
 
-import kvlab
-from kvlab.atomic import atomic_write_text
 from kvlab.cache.merge import landing_positions
 from kvlab.findings import haystack, longctx
 from kvlab.findings.evalset import Names, contains
 from kvlab.findings.haystack_table import COUNTS, DEPTHS, MULTI_DEPTHS, TEXT, markdown
 from kvlab.findings.qa import ask, passage_fragments
-from kvlab.findings.rows import read_rows, run_sets
-from kvlab.lab import setup
-from kvlab.lab.provenance import study_run
+from kvlab.findings.rows import read_rows
+from kvlab.lab.study import run_set_study, set_study_parser
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 STRIDE = 200  # sentences per haystack: the largest (8 x 192 tokens) uses about 70
@@ -127,40 +121,23 @@ def haystack_rows(model, h: int, tokens: int, seed: int) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--haystacks", type=int, default=20)
-    ap.add_argument("--first-set", type=int, default=0, help="run haystacks first-set .. first-set + haystacks - 1")
-    ap.add_argument("--tokens", type=int, default=192)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=RESULTS)
-    ap.add_argument("--markdown", action="store_true", help="print the tables from the committed rows; no model")
-    args = ap.parse_args()
+    args = set_study_parser(__doc__, RESULTS, sets="haystacks", tokens=192).parse_args()
     path = args.out / f"haystack_{args.model}.csv"
     if args.markdown:
         print(markdown(read_rows(path, text=TEXT), args.model, args.seed))
         return
-    if args.first_set:
-        path = path.with_name(f"{path.stem}.part{args.first_set}.csv")
-    setup(args.seed)
-    model = kvlab.load_model(args.model)
-    started = time.perf_counter()
-    sets = range(args.first_set, args.first_set + args.haystacks)
-    rows, walls = run_sets(path, sets, lambda h: haystack_rows(model, h, args.tokens, args.seed))
-    meta = {
-        "model": model.name,
-        "haystacks": args.haystacks,
-        "first_set": args.first_set,
-        "tokens": args.tokens,
-        "counts": list(COUNTS),
-        "depths": list(DEPTHS),
-        "multi_depths": list(MULTI_DEPTHS),
-        "essays": f"{haystack.PACKAGE}=={haystack.VERSION}",
-        "greedy_tokens": GREEDY,
-        "set_wall_s": walls,
-        **study_run("studies/haystack.py", started),
-    }
-    atomic_write_text(path.with_suffix(".json"), json.dumps(meta, indent=1) + "\n")
+    rows, model = run_set_study(
+        "studies/haystack.py",
+        path,
+        args,
+        lambda model, h: haystack_rows(model, h, args.tokens, args.seed),
+        sets="haystacks",
+        counts=list(COUNTS),
+        depths=list(DEPTHS),
+        multi_depths=list(MULTI_DEPTHS),
+        essays=f"{haystack.PACKAGE}=={haystack.VERSION}",
+        greedy_tokens=GREEDY,
+    )
     print(markdown(rows, model.name, args.seed))
 
 

@@ -54,24 +54,19 @@ last fragment:
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
-import time
 from pathlib import Path
 
 import torch
 
 import kvlab
-from kvlab.atomic import atomic_write_text
 from kvlab.cache.fragments import new_cache
 from kvlab.findings import longctx
 from kvlab.findings.evalset import EvalSet, answer_span, exact_match, normalize
 from kvlab.findings.puzzle import COUNTS, table
 from kvlab.findings.qa import passage_fragments
-from kvlab.findings.rows import read_rows, run_sets
-from kvlab.lab import setup
-from kvlab.lab.provenance import study_run
+from kvlab.findings.rows import read_rows
+from kvlab.lab.study import run_set_study, set_study_parser
 from kvlab.measure.case import FidelityReference
 from kvlab.measure.probes import read_probes
 from kvlab.measure.references import context_reference
@@ -170,39 +165,19 @@ def set_rows(model, j: int, tokens: int, seed: int) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--sets", type=int, default=20)
-    ap.add_argument(
-        "--first-set", type=int, default=0, help="run sets first-set .. first-set + sets - 1 (to split a run)"
-    )
-    ap.add_argument("--tokens", type=int, default=512)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=RESULTS)
-    ap.add_argument("--markdown", action="store_true", help="print the tables from the committed rows; no model")
-    args = ap.parse_args()
+    args = set_study_parser(__doc__, RESULTS).parse_args()
     path = args.out / f"merge_puzzle_{args.model}.csv"
     if args.markdown:
         print(table(read_rows(path), args.seed))
         return
-    if args.first_set:
-        path = path.with_name(f"{path.stem}.part{args.first_set}.csv")
-    setup(args.seed)
-    model = kvlab.load_model(args.model)
-    started = time.perf_counter()
-    sets = range(args.first_set, args.first_set + args.sets)
-    rows, walls = run_sets(path, sets, lambda j: set_rows(model, j, args.tokens, args.seed))
-    meta = {
-        "model": model.name,
-        "sets": args.sets,
-        "first_set": args.first_set,
-        "tokens": args.tokens,
-        "counts": list(COUNTS),
-        "greedy_tokens": GREEDY,
-        "set_wall_s": walls,
-        **study_run("studies/merge_puzzle.py", started),
-    }
-    atomic_write_text(path.with_suffix(".json"), json.dumps(meta, indent=1) + "\n")
+    rows, _ = run_set_study(
+        "studies/merge_puzzle.py",
+        path,
+        args,
+        lambda model, j: set_rows(model, j, args.tokens, args.seed),
+        counts=list(COUNTS),
+        greedy_tokens=GREEDY,
+    )
     print(table(rows, args.seed))
 
 
