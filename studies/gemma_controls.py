@@ -28,6 +28,11 @@ Named before the run, at each length, paired within caches, 95% cluster bootstra
 
     .venv/bin/kvlab sweep studies/gemma_controls.toml --workers 2     # results/gemma_controls/
     .venv/bin/python studies/gemma_controls.py --sweep-table results/gemma_controls
+    .venv/bin/python studies/gemma_controls.py --markdown results/gemma_controls   # the README section's numbers
+
+The comparisons of 1. at every length form one family, Holm-adjusted (:func:`family`); the shares
+of 2. and 3. are estimates with intervals, not tests. :func:`markdown` prints the tables and the
+measured lines of ``results/README.md``'s section from the committed rows alone.
 """
 
 from __future__ import annotations
@@ -39,11 +44,19 @@ import kvlab
 from kvlab.cache.repro import ExactOnly, RerotateOnly
 from kvlab.findings import longctx, strata
 from kvlab.findings.rows import point_rows_path
-from kvlab.measure.stats import fmt_ci, gap_closed_ci
+from kvlab.measure.stats import fmt_ci, gap_closed_ci, paired_family
 from kvlab.sweep.point import read_points
 
 RER_ONLY = ("rerotate sliding only", "rerotate full only")
 EXACT_ONLY = ("exact sliding only", "exact full only")
+#: Gemma 3 270M's sliding window in tokens (its config's ``sliding_window``; a test checks it).
+WINDOW = 512
+#: The metrics of comparison 1., their names and formats.
+FAMILY_METRICS = (
+    ("span_kl", "answer-span KL", "+.3f"),
+    ("kl", "first-token KL", "+.3f"),
+    ("em", "exact match", "+.2f"),
+)
 
 
 def strategies() -> dict:
@@ -195,12 +208,135 @@ def sweep_table(folder: Path) -> str:
     return "\n".join(out)
 
 
+def point_rows(folder: Path) -> list[tuple[int, dict, list[dict]]]:
+    """``(tokens, point, rows)`` per length, shortest first, from the rows each point committed.
+
+    Raises
+    ------
+    kvlab.KvlabError
+        When a point committed no rows: :func:`markdown` prints from rows only.
+    """
+    out = []
+    for p in sorted((p for p in read_points(folder) if p["status"] == "ok"), key=lambda p: p["parameters"]["tokens"]):
+        par = p["parameters"]
+        path = point_rows_path(folder, par["model_name"], par["tokens"])
+        if not path.exists():
+            raise kvlab.KvlabError(f"{path}: the point at {par['tokens']} tokens committed no rows")
+        out.append((par["tokens"], p, strata.read_rows(path)))
+    if not out:
+        raise kvlab.KvlabError(f"{folder}: no finished point")
+    return out
+
+
+def family(loaded: list[tuple[int, dict, list[dict]]], seed: int = 0) -> list[dict]:
+    """Comparison 1. (naive - rerotate in each metric of :data:`FAMILY_METRICS`) at every length: one Holm family.
+
+    Returns :func:`kvlab.measure.stats.paired_family`'s dicts with ``tokens`` and ``metric`` added, in order.
+    """
+    comparisons = []
+    for tokens, _, rows in loaded:
+        for metric, _, _ in FAMILY_METRICS:
+            x, y, caches = longctx.pairs(rows, "naive", "rerotate", metric, None)
+            comparisons.append(({"tokens": tokens, "metric": metric}, x, y, caches))
+    return paired_family(comparisons, seed=seed)
+
+
+def _where(lo: int, hi: int) -> str:
+    if hi < WINDOW:
+        return "inside the window"
+    return "past the window" if lo >= WINDOW else "straddling the window"
+
+
+def markdown(folder: Path, seed: int = 0) -> str:
+    """``results/README.md``'s tables and measured lines for the study, printed from its committed rows only.
+
+    A named comparison is called resolved when its Holm-adjusted p is at most 0.05.
+    """
+    loaded = point_rows(folder)
+    fam = {(r["tokens"], r["metric"]): r for r in family(loaded, seed)}
+    docs = {t: summarise(rows, seed) for t, _, rows in loaded}
+    summ = {t: {s["strategy"]: s for s in d["summary"]} for t, d in docs.items()}
+    span = {t: (min(r["total_tokens"] for r in rows), max(r["total_tokens"] for r in rows)) for t, _, rows in loaded}
+    lengths = [t for t, _, _ in loaded]
+    f2 = lambda c: fmt_ci(c, ".2f")  # noqa: E731
+    order = ("naive", "rerotate", *RER_ONLY, *EXACT_ONLY)
+    out = [
+        sweep_table(folder),
+        "",
+        "Exact match [95% CI] of every strategy, and of the joined prefill (the ceiling):",
+        "",
+    ]
+    out += [
+        "| 2 × tokens | merged tokens | joined prefill | " + " | ".join(order) + " |",
+        "|" + "---|" * (3 + len(order)),
+    ]
+    for t in lengths:
+        lo, hi = span[t]
+        out.append(
+            f"| {t} | {lo}-{hi} ({_where(lo, hi)}) | {f2(summ[t]['naive']['ref_em'])} | "
+            + " | ".join(f2(summ[t][s]["em"]) for s in order)
+            + " |"
+        )
+    out += ["", "The named family (naive − rerotate at every length and metric; paired, Holm within it):", ""]
+    out += ["| 2 × tokens | metric | naive − rerotate [95% CI] | p | Holm p |", "|---|---|---|---|---|"]
+    for t in lengths:
+        for metric, name, spec in FAMILY_METRICS:
+            r = fam[t, metric]
+            out.append(f"| {t} | {name} | {fmt_ci(r['ci'], spec)} | {r['p']:.4f} | {r['p_holm']:.4f} |")
+
+    def said(t, metric, spec):
+        r = fam[t, metric]
+        verdict = "resolved" if r["p_holm"] <= 0.05 else "not resolved"
+        return f"{t} {fmt_ci(r['ci'], spec)} ({verdict})"
+
+    top = lengths[-1]
+    n0 = summ[lengths[0]]["naive"]
+    shares = {t: d["shares"] for t, d in docs.items()}
+    rer = lambda t, i: fmt_ci(shares[t][f"{RER_ONLY[i]}: of naive's excess"], ".0%")  # noqa: E731
+    exact_full = lambda t: shares[t][f"{EXACT_ONLY[1]}: of rerotate's gap"]  # noqa: E731
+    exact_sliding = lambda t: shares[t][f"{EXACT_ONLY[0]}: of rerotate's gap"]  # noqa: E731
+    apart = all(exact_full(t)["lo"] > exact_sliding(t)["hi"] for t in lengths)
+    right = {
+        t: longctx.paired(rows, "naive", "rerotate", "span_kl", where={"ref_em": True}, seed=seed)
+        for t, _, rows in loaded
+    }
+    ef = {t: longctx.paired(rows, EXACT_ONLY[1], "rerotate", "em", seed=seed) for t, _, rows in loaded}
+    out += [
+        "",
+        f"Measured ({n0['n_caches']} caches and {n0['n']} questions per length; the window is {WINDOW} tokens):",
+        "",
+        "* naive − rerotate, answer-span KL (nats/token): "
+        + "; ".join(said(t, "span_kl", "+.3f") for t in lengths)
+        + "; exact match: "
+        + "; ".join(said(t, "em", "+.2f") for t in lengths)
+        + ".",
+        "* the same answer-span KL where the joined prefill is right (paired, not in the family): "
+        + "; ".join(f"{t} {fmt_ci(right[t], '+.3f')} (n {right[t].n})" for t in lengths)
+        + ".",
+        f"* at 2 × {top}, naive's exact match {f2(summ[top]['naive']['em'])}; rerotating the sliding layers only "
+        f"removes {rer(top, 0)} of naive's excess answer-span KL over rerotate and the full layers only "
+        f"{rer(top, 1)} (exact match {f2(summ[top][RER_ONLY[1]]['em'])}); at 2 × {lengths[0]} the two shares are "
+        f"{rer(lengths[0], 0)} and {rer(lengths[0], 1)} (not compared as a pair).",
+        "* of rerotate's own answer-span KL, the joined prefill's K/V on the full layers only removes "
+        + ", ".join(f"{fmt_ci(exact_full(t), '.0%')}" for t in lengths)
+        + " and on the sliding layers only "
+        + ", ".join(f"{fmt_ci(exact_sliding(t), '.0%')}" for t in lengths)
+        + f" (lengths {', '.join(map(str, lengths))}); the intervals are "
+        + ("apart at every length." if apart else "not apart at every length."),
+        "* exact match, exact full only − rerotate (paired, not in the family): "
+        + "; ".join(f"{t} {fmt_ci(ef[t], '+.2f')}" for t in lengths)
+        + ".",
+    ]
+    return "\n".join(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument(
-        "--sweep-table", metavar="DIR", required=True, help="print the table of a kvlab sweep output folder"
-    )
-    print(sweep_table(Path(ap.parse_args().sweep_table)))
+    what = ap.add_mutually_exclusive_group(required=True)
+    what.add_argument("--sweep-table", metavar="DIR", help="print the table of a kvlab sweep output folder")
+    what.add_argument("--markdown", metavar="DIR", help="print the README section's tables and lines from its rows")
+    args = ap.parse_args()
+    print(sweep_table(Path(args.sweep_table)) if args.sweep_table else markdown(Path(args.markdown)))
 
 
 if __name__ == "__main__":

@@ -285,7 +285,7 @@ def _d(d: dict | None, spec: str) -> str:
     if d is None:
         return "-"
     if d["p"] is None:
-        return f"{fmt_ci(d, spec)} (1 cache: untested)"
+        return f"{fmt_ci(d, spec)} (untested)"
     b = "**" if d["p_holm"] <= 0.05 else ""
     return f"{b}{fmt_ci(d, spec)}{b} ({d['p_holm']:.3f})"
 

@@ -9,7 +9,9 @@ column only (it double-counts the within-cache spread and widens the interval). 
 gives rates (exact match, agreement) an interval that never collapses at 0 or 1: the cluster
 bootstrap's, widened to cover the Wilson interval at the effective sample size. :func:`holm`
 corrects a family of named comparisons. Resampling is vectorised and seeded: a re-run prints
-the same interval. Rationale and the checks of coverage: docs/statistics.md.
+the same interval. Values from a single cache say nothing of how caches vary: their interval
+has NaN bounds and their p-value is 1, never a zero-width interval called resolved.
+Rationale and the checks of coverage: docs/statistics.md.
 """
 
 from __future__ import annotations
@@ -83,6 +85,9 @@ def fmt_ci(c, spec: str = ".4f") -> str:
     if c is None:
         return "-"
     mean, lo, hi = (c.mean, c.lo, c.hi) if isinstance(c, CI) else (c["mean"], c["lo"], c["hi"])
+    caches = c.n_clusters if isinstance(c, CI) else c.get("caches")
+    if caches == 1 and lo != lo and hi != hi:
+        return f"{mean:{spec}} [one cache: no interval]"
     return f"{mean:{spec}} [{lo:{spec}}, {hi:{spec}}]"
 
 
@@ -149,7 +154,14 @@ def _resample_means(a: np.ndarray, groups, n_boot: int, seed: int, two_stage: bo
     return sums / counts
 
 
+def _one_cache(groups) -> bool:
+    """Whether values resampled by cache came from one cache only: no variation between caches to resample."""
+    return groups is not None and len(groups) < 2
+
+
 def _interval(a: np.ndarray, groups, n_boot: int, seed: int, level: float, two_stage: bool = False) -> CI:
+    if _one_cache(groups):
+        return CI(float(a.mean()), float("nan"), float("nan"), int(a.size), level, len(groups))
     means = _resample_means(a, groups, n_boot, seed, two_stage)
     tail = (1 - level) / 2 * 100
     lo, hi = np.percentile(means, [tail, 100 - tail])
@@ -167,7 +179,8 @@ def mean_ci(
         ``[n]`` finite numbers (for a rate such as exact match use :func:`proportion_ci`).
     clusters : sequence, optional
         ``[n]`` labels: the cache (generated set) each value was measured behind. Given, caches
-        are resampled with all their values, and the interval states ``n_clusters``.
+        are resampled with all their values, and the interval states ``n_clusters``; one cache
+        alone gives NaN bounds.
     n_boot : int
         Resamples of the ``n`` items, with replacement.
     seed : int
@@ -239,6 +252,8 @@ def proportion_ci(successes, *, clusters=None, n_boot: int = N_BOOT, seed: int =
         raise StatsError("a proportion needs 0/1 (or boolean) values; use mean_ci for other numbers")
     groups = _groups(clusters, a.size)
     ci = _interval(a, groups, n_boot, seed, level)
+    if _one_cache(groups):
+        return ci
     deff = 1.0
     if groups is not None and 0 < a.mean() < 1:
         iid = _resample_means(a, None, n_boot, seed).var()
@@ -270,6 +285,8 @@ def gap_closed_ci(treated, baseline, *, clusters=None, n_boot: int = N_BOOT, see
     if y.mean() <= 0:
         raise StatsError(f"a gap closed needs a baseline error with a positive mean, got {y.mean():g}")
     groups = _groups(clusters, x.size)
+    if _one_cache(groups):
+        return CI(float(1 - x.mean() / y.mean()), float("nan"), float("nan"), int(x.size), level, 1)
     # The same seed draws the same items for both arrays (the draws do not depend on the values),
     # so each resample's two means are over one resample of the pairs.
     mx, my = _resample_means(x, groups, n_boot, seed), _resample_means(y, groups, n_boot, seed)
@@ -290,13 +307,17 @@ def paired_p(a, b, *, clusters=None, n_boot: int = N_BOOT, seed: int = 0) -> flo
     """Two-sided bootstrap p-value of ``mean(a - b) = 0`` (paired, by cache when ``clusters`` is given).
 
     Twice the smaller share of resampled mean differences on either side of 0, floored at
-    ``1 / n_boot`` (a p-value below the resolution of the resampling is not claimed).
+    ``1 / n_boot`` (a p-value below the resolution of the resampling is not claimed); 1 when
+    ``clusters`` holds one cache (nothing is known of how caches vary).
     """
     x, y = _values(a, "a"), _values(b, "b")
     if x.shape != y.shape:
         raise StatsError(f"paired values need equal lengths, got {x.size} and {y.size}")
     d = x - y
-    means = _resample_means(d, _groups(clusters, d.size), n_boot, seed)
+    groups = _groups(clusters, d.size)
+    if _one_cache(groups):
+        return 1.0
+    means = _resample_means(d, groups, n_boot, seed)
     p = 2 * min(float((means <= 0).mean()), float((means >= 0).mean()))
     return float(min(1.0, max(p, 1.0 / int(n_boot))))
 

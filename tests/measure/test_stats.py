@@ -173,3 +173,23 @@ def test_a_paired_family_is_each_comparison_with_holm_over_all():
         assert g["ci"] == paired_diff_ci(a, b, clusters=c, seed=1)
     # The adjustment is over the family: the smallest p is multiplied by the family's size.
     assert min(g["p_holm"] for g in got) == pytest.approx(min(1.0, 3 * min(raw)))
+
+
+def test_one_cache_gives_no_interval_and_resolves_nothing():
+    # Six questions of one cache differ by a large, steady amount: the bootstrap over one cache
+    # would give a zero-width interval and the smallest p; nothing is known of how caches vary.
+    a, b, one = [1.0, 1.2, 0.9, 1.1, 1.0, 1.3], [0.0] * 6, [7] * 6
+    for c in (
+        mean_ci(a, clusters=one),
+        paired_diff_ci(a, b, clusters=one),
+        proportion_ci([1, 0, 1, 1, 0, 1], clusters=one),
+        gap_closed_ci(b, a, clusters=one),
+    ):
+        assert c.lo != c.lo and c.hi != c.hi and c.n_clusters == 1 and c.n == 6 and not c.excludes(0.0)
+        assert fmt_ci(c, ".2f") == f"{c.mean:.2f} [one cache: no interval]" == fmt_ci(c.as_dict(), ".2f")
+    assert paired_p(a, b, clusters=one) == 1.0
+    assert paired_family([({}, a, b, one), ({}, a, b, one)])[0]["p_holm"] == 1.0
+    # Two caches already give an interval; items without caches are resampled alone.
+    two = [7, 7, 7, 8, 8, 8]
+    assert paired_diff_ci(a, b, clusters=two).excludes(0.0) and paired_p(a, b, clusters=two) < 0.05
+    assert paired_diff_ci(a, b).excludes(0.0)
