@@ -2,11 +2,12 @@
 recompute remove at each ratio, per policy, and at what ratio does it remove 90%?
 
 The long-context questions (one person per passage) behind merges of 4 fragments of at most 256
-tokens, read behind rerotate, reprefill (the reference: error 0) and recompute at ratios
-0.05, 0.1, 0.15, 0.3 and 0.5 with three policies: ``deviation`` (CacheBlend's selection),
-``fragment_start`` (EPIC's) and ``random_later`` (the fair control: seeded, from the tokens after
-fragment 0, the only ones a recompute can change). Ratio 0 is rerotate bit for bit and ratio 1
-the joined prefill (``kvlab certify`` checks both), so the curve runs from 0 to 1 by construction.
+tokens, read behind rerotate, reprefill (the reference: error 0) and recompute at ratios 0.05, 0.1,
+0.15, 0.3, 0.5, 0.6 and 0.7 (below every cache's r*, about 0.73-0.76) with three policies:
+``deviation`` (CacheBlend's selection), ``fragment_start`` (EPIC's) and ``random_later`` (the fair
+control: seeded, from the tokens after fragment 0, the only ones a recompute can change). Ratio 0 is
+rerotate bit for bit and ratio 1 the joined prefill (``kvlab certify`` checks both), so the curve
+runs from 0 to 1 by construction.
 
 Named before the run: for each policy and ratio, the share of rerotate's answer-span KL it
 removes, ``1 - mean(recompute) / mean(rerotate)`` over the same questions
@@ -19,7 +20,9 @@ of that many tokens recomputes every token after fragment 0, which every policy 
 (they pick among those tokens first), so it *is* the joined prefill and removes the whole gap.
 The curve runs through (0, 0), the measured ratios and (r*, 1), r* the mean over the caches in
 the sample (each cache's from its rows: ``total_tokens``, ``first_tokens``); a ratio above r*
-adds nothing. (The first run of this study ended the curve at (1, 1), which put r90 beyond r*.)
+adds nothing. (The first run of this study ended the curve at (1, 1), which put r90 beyond r*; the
+second measured up to 0.5 only, so every r90 lay on the line from 0.5 to r*.) :func:`bracket` says
+between which two points each r90 lies.
 
     .venv/bin/python studies/recompute_curve.py --model smollm2-135m --sets 12
     .venv/bin/python studies/recompute_curve.py --model smollm2-135m --table
@@ -44,7 +47,7 @@ from kvlab.findings.rows import point_rows_path
 from kvlab.measure.stats import fmt_ci
 from kvlab.sweep.point import read_points
 
-RATIOS = (0.05, 0.1, 0.15, 0.3, 0.5)
+RATIOS = (0.05, 0.1, 0.15, 0.3, 0.5, 0.6, 0.7)
 POLICIES = ("deviation", "fragment_start", "random_later")
 TARGET = 0.9
 N_BOOT = 2000
@@ -75,6 +78,18 @@ def crossing(ratios, shares, target: float = TARGET, end: float = 1.0) -> float:
     return 0.0 if ys[0] >= target else end
 
 
+def bracket(ratios, shares, target: float = TARGET, end: float = 1.0) -> tuple[float, float | None]:
+    """The segment of :func:`crossing`'s curve where it reaches ``target``: ``(lo, hi)`` measured ratios
+    (``lo`` 0 for the origin), or ``(last measured ratio, None)`` when the crossing lies on the line to ``(end, 1)``
+    (interpolated towards r*, not between two measurements)."""
+    keep = [(x, y) for x, y in zip(ratios, shares) if x < end]
+    xs, ys = [0.0, *(x for x, _ in keep)], [0.0, *(y for _, y in keep)]
+    for i in range(1, len(xs)):
+        if ys[i - 1] < target <= ys[i]:
+            return xs[i - 1], xs[i]
+    return xs[-1], None
+
+
 def r_star(rows: list[dict]) -> dict:
     """Each cache's r* = (N - L0) / N from its rows: ``cache -> r*`` (caches as :func:`kvlab.findings.longctx.cache_of`)."""
     out = {}
@@ -97,7 +112,9 @@ def r90(rows: list[dict], policy: str, ratios, seed: int) -> dict:
             sums[index[longctx.cache_of(r)], names.index(r["strategy"])] += float(r["span_kl"])
     stars = r_star(rows)
     ends = np.array([stars[c] for c in caches])
-    point = crossing(ratios, 1 - sums[:, 1:].sum(0) / sums[:, 0].sum(), end=float(ends.mean()))
+    curve = 1 - sums[:, 1:].sum(0) / sums[:, 0].sum()
+    point = crossing(ratios, curve, end=float(ends.mean()))
+    between = bracket(ratios, curve, end=float(ends.mean()))
     rng = np.random.default_rng(seed)
     draws = rng.integers(0, len(caches), size=(N_BOOT, len(caches)))
     boot = [crossing(ratios, 1 - s[1:] / s[0], end=float(e)) for s, e in zip(sums[draws].sum(1), ends[draws].mean(1))]
@@ -110,6 +127,7 @@ def r90(rows: list[dict], policy: str, ratios, seed: int) -> dict:
         "r_star": float(ends.mean()),
         "r_star_min": float(ends.min()),
         "r_star_max": float(ends.max()),
+        "between": list(between),
     }
 
 
@@ -194,6 +212,11 @@ def measure(
     return rows, {"model": model.name, "args": args, **summarise(rows, ratios, policies, seed)}
 
 
+def _between(x: dict) -> str:
+    lo, hi = x["between"]
+    return f"{lo:g} and {hi:g} (measured)" if hi is not None else f"{lo:g} and r* (interpolated)"
+
+
 def sweep_table(folder: Path) -> str:
     """The markdown tables of a ``kvlab sweep studies/recompute_curve.toml`` output folder.
 
@@ -220,15 +243,17 @@ def sweep_table(folder: Path) -> str:
             f"{model}: share of rerotate's answer-span KL removed ({rot['n']} questions over "
             f"{rot['n_caches']} caches; rerotate's answer-span KL {f(rot['span_kl'], '.3f')} nats/token)",
             "",
-            "| policy | " + " | ".join(f"r = {r:g}" for r in ratios) + " | r90 | r* (range) | wall |",
-            "|" + "---|" * (len(ratios) + 4),
+            "| policy | " + " | ".join(f"r = {r:g}" for r in ratios) + " | r90 | r90 between | r* (range) | wall |",
+            "|" + "---|" * (len(ratios) + 5),
         ]
         for p, doc in zip(mine, docs):
             pol = p["parameters"]["policy"]
             cells = [f(doc["share_of_rerotate_span_kl_removed"][label(pol, r)]) for r in ratios]
             x = doc["r90"][pol]
             out.append(
-                f"| {pol} | " + " | ".join(cells) + f" | {f(x)} | {x['r_star']:.2f} ({x['r_star_min']:.2f}-"
+                f"| {pol} | "
+                + " | ".join(cells)
+                + f" | {f(x)} | {_between(x)} | {x['r_star']:.2f} ({x['r_star_min']:.2f}-"
                 f"{x['r_star_max']:.2f}) | {p['wall_s'] / 60:.1f} min |"
             )
         out += ["", "Exact match, recompute - rerotate (paired):", ""]

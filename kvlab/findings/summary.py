@@ -179,10 +179,11 @@ def render(results: str | Path) -> str:
         "closer to the joined prefill; late and last: rerotate closer), so order, not absolute offset, sets the "
         "sign ([README.md](README.md#the-dose-response-of-a-naive-merge)). That rests on 4 sets (3 on Gemma 3, "
         "where naive is worse everywhere); more sets, and which part of order matters, are open.",
-        "* **The recompute curve between r = 0.5 and r*.** The curve now ends at r* = (N − L₀)/N, where every "
-        "policy is the joined prefill, and is recomputed from committed rows "
-        "([README.md](README.md#the-recompute-curve)). No policy removes 90% by r = 0.5, the largest ratio run, "
-        "so each r90 is interpolated between 0.5 and r*; ratios in that span have not been measured.",
+        "* **The recompute curve near r*.** The curve ends at r* = (N − L₀)/N, where every policy is the joined "
+        "prefill, and is recomputed from committed rows ([README.md](README.md#the-recompute-curve)). Measured "
+        "up to r = 0.7, every policy's r90 lies between the measured ratios 0.6 and 0.7, just below r*: on these "
+        "small models a recompute that removes 90% recomputes nearly every token that can change. Open: whether "
+        "a larger model's curve rises sooner.",
         f"* **Text nobody here wrote: how far it carries.** On essay haystacks (the needle-in-a-haystack text, "
         f"{hay_n[s]} haystacks per model) finding 1 holds, recompute helps SmolLM2 far more than Gemma 3 "
         f"(finding 3), and the SmolLM2 puzzle's sign holds: naive − "

@@ -58,3 +58,14 @@ def test_an_altered_interval_fails(table):
     found = INTERVAL.findall(text)[3]
     bumped = found.replace("]", "1]", 1)
     assert missing(text.replace(found, bumped, 1), table) == intervals(bumped)
+
+
+def test_r90_lies_in_the_segment_it_names(study):
+    # The curve through (0, 0), the measured points and (r*, 1): the crossing and its segment agree.
+    ratios, end = (0.1, 0.5, 0.6), 0.74
+    assert study.bracket(ratios, (0.2, 0.95, 0.99), end=end) == (0.1, 0.5)
+    assert study.bracket(ratios, (0.2, 0.5, 0.8), end=end) == (0.6, None)
+    assert study.bracket(ratios, (0.95, 0.97, 0.99), end=end) == (0.0, 0.1)
+    for shares in ((0.2, 0.95, 0.99), (0.2, 0.5, 0.8), (0.95, 0.97, 0.99), (0.3, 0.89, 0.9)):
+        lo, hi = study.bracket(ratios, shares, end=end)
+        assert lo <= study.crossing(ratios, shares, end=end) <= (end if hi is None else hi)
