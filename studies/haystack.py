@@ -8,7 +8,8 @@ passages of at most ``tokens`` tokens, each cached as one fragment, with invente
 (``"The vault code for <town> is <4 digits>."``) put between sentences.
 
 Design, named before the run. ``haystacks`` haystacks, each from its own stretch of the essays
-(haystack h starts at sentence ``h * STRIDE`` of the seeded essay order; none overlaps another).
+(haystack h starts at sentence ``h * kvlab.findings.needles.STRIDE`` of the seeded essay order; none
+overlaps another).
 For each fragment count k in ``counts`` and each haystack:
 
 * **single**: one needle, at each depth in ``DEPTHS`` (0.1, 0.4, 0.6, 0.9 of the haystack: the
@@ -44,80 +45,22 @@ code)) and ``.json`` (the run: arguments, wall time per haystack, command, CPU).
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
-from kvlab.cache.merge import landing_positions
 from kvlab.findings import haystack, longctx
-from kvlab.findings.evalset import Names, contains
 from kvlab.findings.haystack_table import COUNTS, DEPTHS, MULTI_DEPTHS, TEXT, markdown
-from kvlab.findings.qa import ask, passage_fragments
+from kvlab.findings.needles import GREEDY, haystack_rows
 from kvlab.findings.rows import read_rows
 from kvlab.lab.study import run_set_study, set_study_parser
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
-STRIDE = 200  # sentences per haystack: the largest (8 x 192 tokens) uses about 70
-GREEDY = 5
 RATIO = 0.15
 
 
-def joined(row: dict) -> dict:
-    """The ``reprefill`` row of a question, from the joined prefill's reads that every row carries.
-
-    reprefill builds exactly the joined prefill's cache (``tests/cache`` checks the two are equal),
-    so its answer and scores are the reference's: running it again would cost a prefill per
-    cache and change nothing.
-    """
-    return row | {
-        "strategy": "reprefill",
-        "answer": row["ref_answer"],
-        "em": row["ref_em"],
-        "contains": contains(row["ref_answer"], row["truth"]),
-        "agree": True,
-        "kl": 0.0,
-        "top1": True,
-        "span_kl": 0.0,
-        "nll": row["nll_ref"],
-        "merge_s": None,
-    }
-
-
-def haystack_rows(model, h: int, tokens: int, seed: int) -> list[dict]:
-    """One row per (count, layout, question, strategy) of haystack ``h``."""
-    sents = haystack.corpus(seed)
-    count = longctx.token_counter(model)
-    rng = random.Random(f"haystack {seed} {h}")
-    names = Names(rng)  # one per haystack: every needle of it has its own town
-    start = h * STRIDE
-    rows = []
-    for k in COUNTS:
-        layouts = [("single", (d,)) for d in DEPTHS] + [("multi", MULTI_DEPTHS)]
-        for layout, depths in layouts:
-            s, end = haystack.haystack_set(sents, start, k, tokens, depths, count, rng, names, seed)
-            if end > start + STRIDE:
-                raise RuntimeError(f"haystack {h} runs past its stretch ({end - start} > {STRIDE} sentences)")
-            frags, probes = passage_fragments(model, s)
-            lands = landing_positions(frags)
-            codes = list(s.facts["codes"].values())
-            merges = {k: v for k, v in longctx.default_strategies(RATIO, seed).items() if k != "reprefill"}
-            got = ask(model, s, merges, greedy_tokens=GREEDY, fragments=frags, probes=probes)
-            got += [joined(r) for r in got if r["strategy"] == "naive"]
-            for r in got:
-                q = next(q for q in s.questions if q.text == r["question"])
-                p = q.passages[0]
-                before = s.passages[p][: s.passages[p].index(haystack.needle(q.subject, q.answer))]
-                rows.append(
-                    {"set": h, "n_fragments": k, "layout": layout, "depth": s.facts["depths"][q.subject]}
-                    | r
-                    | {
-                        "needle_at": lands[p] + (frags[p].length - count(s.passages[p])) + count(before),
-                        "total_tokens": sum(f.length for f in frags),
-                        "first_tokens": frags[0].length,
-                        "captured": haystack.captured(r["answer"], q.answer, codes),
-                        "ref_captured": haystack.captured(r["ref_answer"], q.answer, codes),
-                    }
-                )
-    return rows
+def read_haystack(model, h: int, tokens: int, seed: int) -> list[dict]:
+    """Haystack ``h`` at every count and layout of the design, behind naive, rerotate and recompute."""
+    merges = {k: v for k, v in longctx.default_strategies(RATIO, seed).items() if k != "reprefill"}
+    return haystack_rows(model, h, tokens, seed, merges, counts=COUNTS, depths=DEPTHS, multi_depths=MULTI_DEPTHS)
 
 
 def main() -> None:
@@ -130,7 +73,7 @@ def main() -> None:
         "studies/haystack.py",
         path,
         args,
-        lambda model, h: haystack_rows(model, h, args.tokens, args.seed),
+        lambda model, h: read_haystack(model, h, args.tokens, args.seed),
         sets="haystacks",
         counts=list(COUNTS),
         depths=list(DEPTHS),

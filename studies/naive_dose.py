@@ -68,7 +68,7 @@ from kvlab.findings import longctx, strata
 from kvlab.findings.evalset import EvalSet
 from kvlab.findings.qa import ask, passage_fragments, passage_texts
 from kvlab.findings.rows import point_rows_path, write_point_rows
-from kvlab.measure.stats import fmt_ci, holm, mean_ci, paired_diff_ci, paired_p, proportion_ci
+from kvlab.measure.stats import fmt_ci, holm, mean_ci, paired_did, paired_diff_ci, paired_p, proportion_ci
 from kvlab.sweep.point import read_points
 
 COUNTS = (2, 4, 8)
@@ -174,7 +174,7 @@ def _diff(rows, where: dict, m: str, cluster: tuple[str, ...], seed: int) -> dic
     if not a:
         return None
     d = paired_diff_ci(a, b, clusters=caches, seed=seed).as_dict()
-    # One cache gives a zero-width interval and the floor p: such a comparison is shown, not tested.
+    # One cache gives no interval: such a comparison is shown, not tested.
     d["p"] = paired_p(a, b, clusters=caches, seed=seed) if len(set(caches)) >= MIN_CACHES else None
     return d
 
@@ -222,23 +222,33 @@ def cell(rows: list[dict], where: dict, cluster: tuple[str, ...], seed: int = SE
 
 
 def _per_question(rows, cellkey: tuple[int, int], m: str) -> dict:
-    """naive - rerotate per (set, question kind) in one (count, passage) cell."""
+    """(naive, rerotate) per (set, question kind) in one (count, passage) cell."""
     k, p = cellkey
     a, b, labels = longctx.pairs(rows, "naive", "rerotate", m, {"n_fragments": k, "answer_passage": p}, ("set", "kind"))
     if len(set(labels)) != len(labels):
         raise kvlab.KvlabError(f"cell {cellkey} holds two questions of one kind in one set")
-    return {lab: x - y for lab, x, y in zip(labels, a, b)}
+    return {lab: (x, y) for lab, x, y in zip(labels, a, b)}
 
 
 def did(rows: list[dict], a: tuple[int, int], b: tuple[int, int], seed: int = SEED) -> dict:
-    """(naive - rerotate at cell ``a``) - (the same at cell ``b``), paired by (set, question kind), resampled by set."""
+    """(naive - rerotate at cell ``a``) - (the same at cell ``b``), paired by (set, question kind), resampled by set.
+
+    Exact match is a rate: :func:`kvlab.measure.stats.paired_did` keeps its interval from collapsing
+    where no question changes its answer in either cell.
+    """
     out: dict = {}
     for m in METRICS:
         da, db = _per_question(rows, a, m), _per_question(rows, b, m)
         keys = sorted(set(da) & set(db))
-        x, y, sets = [da[q] for q in keys], [db[q] for q in keys], [q[0] for q in keys]
-        out[m] = {"diff": paired_diff_ci(x, y, clusters=sets, seed=seed).as_dict()}
-        out[m]["diff"]["p"] = paired_p(x, y, clusters=sets, seed=seed) if len(set(sets)) >= MIN_CACHES else None
+        sets = [q[0] for q in keys]
+        ci, p = paired_did(
+            *([pair[i] for pair in (da[q] for q in keys)] for i in (0, 1)),
+            *([pair[i] for pair in (db[q] for q in keys)] for i in (0, 1)),
+            clusters=sets,
+            seed=seed,
+        )
+        out[m] = {"diff": ci.as_dict()}
+        out[m]["diff"]["p"] = p if len(set(sets)) >= MIN_CACHES else None
     out["n"], out["caches"] = len(keys), len(set(sets))
     return out
 

@@ -248,7 +248,8 @@ def pairs(
     x, y = pick(a), pick(b)
     keys = sorted(set(x) & set(y))
     labels = [tuple(x[k].get(c, 0) for c in cluster) for k in keys]
-    return [float(x[k][metric]) for k in keys], [float(y[k][metric]) for k in keys], labels
+    # Values keep their type: a boolean metric (exact match) is a rate, and paired_diff_ci widens its interval.
+    return [x[k][metric] for k in keys], [y[k][metric] for k in keys], labels
 
 
 def paired(rows: list[dict], a: str, b: str, metric: str, *, where: dict | None = None, seed: int = 0) -> CI:

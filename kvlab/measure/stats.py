@@ -7,7 +7,9 @@ all of each drawn cache's questions (the standard cluster bootstrap); without it
 resampled. ``two_stage=True`` also resamples questions within each drawn cache: a sensitivity
 column only (it double-counts the within-cache spread and widens the interval). :func:`proportion_ci`
 gives rates (exact match, agreement) an interval that never collapses at 0 or 1: the cluster
-bootstrap's, widened to cover the Wilson interval at the effective sample size. :func:`holm`
+bootstrap's, widened to cover the Wilson interval at the effective sample size; a paired
+difference of rates (:func:`paired_diff_ci` on booleans) is likewise widened to cover Newcombe's
+score interval for paired proportions (:func:`paired_rate_interval`). :func:`holm`
 corrects a family of named comparisons. Resampling is vectorised and seeded: a re-run prints
 the same interval. Values from a single cache say nothing of how caches vary: their interval
 has NaN bounds and their p-value is 1, never a zero-width interval called resolved.
@@ -200,7 +202,15 @@ def mean_ci(
 
 
 def paired_diff_ci(
-    a, b, *, clusters=None, n_boot: int = N_BOOT, seed: int = 0, level: float = 0.95, two_stage: bool = False
+    a,
+    b,
+    *,
+    clusters=None,
+    n_boot: int = N_BOOT,
+    seed: int = 0,
+    level: float = 0.95,
+    two_stage: bool = False,
+    rates: bool | None = None,
 ) -> CI:
     """Mean of ``a - b`` over paired items, with a percentile-bootstrap interval.
 
@@ -208,6 +218,12 @@ def paired_diff_ci(
     are resampled jointly: each pair's difference is taken first, and the differences are
     averaged as :func:`mean_ci` averages values (by cache, when ``clusters`` is given). The
     difference is resolved at ``level`` when the interval excludes 0 (:meth:`CI.excludes`).
+
+    A difference of two rates (exact match of two strategies) never collapses either: when no
+    pair disagrees the bootstrap gives ``[0, 0]``, so the interval is widened to cover
+    Newcombe's score interval (:func:`paired_rate_interval`) at the effective number of pairs
+    ``n / deff``, ``deff`` as in :func:`proportion_ci` (of the differences). Widening only ever
+    withdraws a resolved call, never makes one.
 
     Parameters
     ----------
@@ -217,12 +233,81 @@ def paired_diff_ci(
         ``[n]`` cache labels, as for :func:`mean_ci`; pairs stay together within their cache.
     two_stage : bool
         As for :func:`mean_ci` (sensitivity only).
+    rates : bool, optional
+        Whether ``a`` and ``b`` are 0/1 outcomes. Default: when both arrive as booleans (rows
+        read back by :func:`kvlab.findings.rows.read_rows` keep exact match boolean).
     """
     _check(n_boot, level)
+    if rates is None:
+        rates = np.asarray(a).dtype == bool and np.asarray(b).dtype == bool
     x, y = _values(a, "a"), _values(b, "b")
     if x.shape != y.shape:
         raise StatsError(f"paired values need equal lengths, got {x.size} and {y.size}")
-    return _interval(x - y, _groups(clusters, x.size), n_boot, seed, level, two_stage)
+    groups = _groups(clusters, x.size)
+    ci = _interval(x - y, groups, n_boot, seed, level, two_stage)
+    if not rates or _one_cache(groups):
+        return ci
+    if not np.all(((x == 0) | (x == 1)) & ((y == 0) | (y == 1))):
+        raise StatsError("a difference of rates needs 0/1 (or boolean) values in a and b")
+    lo, hi = paired_rate_interval(x, y, n_eff=x.size / _design_effect(x - y, groups, n_boot, seed), level=level)
+    return CI(ci.mean, min(ci.lo, lo), max(ci.hi, hi), ci.n, level, ci.n_clusters)
+
+
+def _design_effect(a: np.ndarray, groups, n_boot: int, seed: int) -> float:
+    """The cluster bootstrap's variance of the mean over the items-alone one, at least 1 (1 without caches)."""
+    if groups is None:
+        return 1.0
+    iid = _resample_means(a, None, n_boot, seed).var()
+    return max(1.0, float(_resample_means(a, groups, n_boot, seed).var() / iid)) if iid > 0 else 1.0
+
+
+def paired_rate_interval(a, b, *, n_eff: float | None = None, level: float = 0.95) -> tuple[float, float]:
+    """Newcombe's hybrid score interval for ``mean(a) - mean(b)``, two rates over the same items.
+
+    Newcombe (1998, Statistics in Medicine 17:2635, method 10): Wilson score intervals of the
+    two rates, combined with the correlation of the paired 2x2 table (phi, continuity-corrected
+    as Newcombe does). It never collapses, not even when no pair disagrees. Checked against the
+    worked example in Fagerland, Lydersen and Laake (2017), *Statistical Analysis of Contingency
+    Tables*, chapter 8 (pairs 59, 6, 16, 80: -0.0621 [-0.1186, -0.0046]).
+
+    Parameters
+    ----------
+    a, b : array-like
+        ``[n]`` 0/1 outcomes, paired item by item.
+    n_eff : float, optional
+        Effective number of pairs (clustered items count for fewer): the table is scaled to it.
+    level : float
+
+    Returns
+    -------
+    (float, float)
+        Lower and upper bound, within [-1, 1].
+    """
+    from scipy.stats import norm
+
+    x, y = _values(a, "a"), _values(b, "b")
+    if x.shape != y.shape:
+        raise StatsError(f"paired values need equal lengths, got {x.size} and {y.size}")
+    scale = 1.0 if n_eff is None else float(n_eff) / x.size
+    both, only_a = scale * float(np.sum(x * y)), scale * float(np.sum(x * (1 - y)))
+    only_b, neither = scale * float(np.sum((1 - x) * y)), scale * float(np.sum((1 - x) * (1 - y)))
+    n = both + only_a + only_b + neither
+    z = float(norm.ppf(1 - (1 - level) / 2))
+
+    def wilson(k: float) -> tuple[float, float, float]:
+        p = k / n
+        centre, half = p + z * z / (2 * n), z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+        return p, (centre - half) / (1 + z * z / n), (centre + half) / (1 + z * z / n)
+
+    (p1, l1, u1), (p2, l2, u2) = wilson(both + only_a), wilson(both + only_b)
+    margins = (both + only_a) * (only_b + neither) * (both + only_b) * (only_a + neither)
+    cross = both * neither - only_a * only_b
+    # Newcombe's correction: a positive association is shrunk by n/2 (none when it is smaller).
+    cross = cross - n / 2 if cross > n / 2 else min(cross, 0.0)
+    phi = cross / np.sqrt(margins) if margins > 0 else 0.0
+    lo = (p1 - p2) - np.sqrt(max(0.0, (p1 - l1) ** 2 - 2 * phi * (p1 - l1) * (u2 - p2) + (u2 - p2) ** 2))
+    hi = (p1 - p2) + np.sqrt(max(0.0, (p2 - l2) ** 2 - 2 * phi * (p2 - l2) * (u1 - p1) + (u1 - p1) ** 2))
+    return max(-1.0, float(lo)), min(1.0, float(hi))
 
 
 def proportion_ci(successes, *, clusters=None, n_boot: int = N_BOOT, seed: int = 0, level: float = 0.95) -> CI:
@@ -254,10 +339,7 @@ def proportion_ci(successes, *, clusters=None, n_boot: int = N_BOOT, seed: int =
     ci = _interval(a, groups, n_boot, seed, level)
     if _one_cache(groups):
         return ci
-    deff = 1.0
-    if groups is not None and 0 < a.mean() < 1:
-        iid = _resample_means(a, None, n_boot, seed).var()
-        deff = max(1.0, float(_resample_means(a, groups, n_boot, seed).var() / iid)) if iid > 0 else 1.0
+    deff = _design_effect(a, groups, n_boot, seed) if 0 < a.mean() < 1 else 1.0
     n_eff = max(1, int(round(a.size / deff)))
     wilson = binomtest(int(round(a.mean() * n_eff)), n_eff).proportion_ci(confidence_level=level, method="wilson")
     return CI(ci.mean, min(ci.lo, float(wilson.low)), max(ci.hi, float(wilson.high)), ci.n, level, ci.n_clusters)
@@ -303,13 +385,18 @@ def gap_closed_ci(treated, baseline, *, clusters=None, n_boot: int = N_BOOT, see
     )
 
 
-def paired_p(a, b, *, clusters=None, n_boot: int = N_BOOT, seed: int = 0) -> float:
+def paired_p(a, b, *, clusters=None, n_boot: int = N_BOOT, seed: int = 0, rates: bool | None = None) -> float:
     """Two-sided bootstrap p-value of ``mean(a - b) = 0`` (paired, by cache when ``clusters`` is given).
 
     Twice the smaller share of resampled mean differences on either side of 0, floored at
     ``1 / n_boot`` (a p-value below the resolution of the resampling is not claimed); 1 when
-    ``clusters`` holds one cache (nothing is known of how caches vary).
+    ``clusters`` holds one cache (nothing is known of how caches vary). For rates (``rates``
+    as in :func:`paired_diff_ci`) it is at least the ``alpha`` at which Newcombe's ``1 - alpha``
+    interval first excludes 0, so a difference of rates whose :func:`paired_diff_ci` interval
+    holds 0 is not called resolved by its p either.
     """
+    if rates is None:
+        rates = np.asarray(a).dtype == bool and np.asarray(b).dtype == bool
     x, y = _values(a, "a"), _values(b, "b")
     if x.shape != y.shape:
         raise StatsError(f"paired values need equal lengths, got {x.size} and {y.size}")
@@ -319,7 +406,95 @@ def paired_p(a, b, *, clusters=None, n_boot: int = N_BOOT, seed: int = 0) -> flo
         return 1.0
     means = _resample_means(d, groups, n_boot, seed)
     p = 2 * min(float((means <= 0).mean()), float((means >= 0).mean()))
-    return float(min(1.0, max(p, 1.0 / int(n_boot))))
+    p = float(min(1.0, max(p, 1.0 / int(n_boot))))
+    if rates:
+        p = max(p, _rate_p(x, y, x.size / _design_effect(d, groups, n_boot, seed)))
+    return p
+
+
+def _score_p(bounds, estimate: float) -> float:
+    """The smallest ``alpha`` at which ``bounds(1 - alpha)`` excludes 0 (1 when the estimate is 0).
+
+    ``bounds(level)`` is a score interval (Newcombe's, or its MOVER combination), nested in its level.
+    """
+    if estimate == 0:
+        return 1.0
+    lo, hi = 1e-12, 1.0 - 1e-12  # at level 1 - lo the interval holds 0; at level ~0 it is the point estimate
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        a, b = bounds(1 - mid)
+        lo, hi = (lo, mid) if (a > 0 or b < 0) else (mid, hi)
+    return hi
+
+
+def _rate_p(x: np.ndarray, y: np.ndarray, n_eff: float) -> float:
+    """:func:`_score_p` of Newcombe's interval for ``mean(x) - mean(y)``."""
+    return _score_p(lambda level: paired_rate_interval(x, y, n_eff=n_eff, level=level), x.mean() - y.mean())
+
+
+def paired_did(
+    a1,
+    b1,
+    a2,
+    b2,
+    *,
+    clusters=None,
+    n_boot: int = N_BOOT,
+    seed: int = 0,
+    level: float = 0.95,
+    rates: bool | None = None,
+) -> tuple[CI, float]:
+    """A difference of two paired differences, ``mean(a1 - b1) - mean(a2 - b2)``, over matched items.
+
+    Item ``i`` is one unit (a question of one kind in one set) measured four times: ``a1[i]`` and
+    ``b1[i]`` in one cell, ``a2[i]`` and ``b2[i]`` in another. The interval is the bootstrap of
+    ``(a1 - b1) - (a2 - b2)``, resampled by cache, and its p :func:`paired_p`'s. For rates (0/1;
+    by default when all four arrive boolean) the interval is widened to cover the MOVER combination
+    (Newcombe 2001) of the two differences' score intervals (:func:`paired_rate_interval`) at the
+    effective number of items, and p is at least the level at which that combination excludes 0.
+    MOVER here treats the two differences as independent, which widens the interval when they
+    are positively correlated (matched questions): conservative, never collapsed.
+
+    Parameters
+    ----------
+    a1, b1, a2, b2 : array-like
+        ``[n]`` each, matched item by item.
+    clusters : sequence, optional
+        ``[n]`` cache labels, as for :func:`mean_ci`.
+
+    Returns
+    -------
+    (CI, float)
+        The interval and its two-sided p.
+    """
+    _check(n_boot, level)
+    arrays = [a1, b1, a2, b2]
+    if rates is None:
+        rates = all(np.asarray(v).dtype == bool for v in arrays)
+    v1, w1, v2, w2 = (_values(v, name) for v, name in zip(arrays, ("a1", "b1", "a2", "b2"), strict=True))
+    if not v1.shape == w1.shape == v2.shape == w2.shape:
+        raise StatsError(f"matched values need equal lengths, got {[v.size for v in (v1, w1, v2, w2)]}")
+    d1, d2 = v1 - w1, v2 - w2
+    ci = paired_diff_ci(d1, d2, clusters=clusters, n_boot=n_boot, seed=seed, level=level, rates=False)
+    p = paired_p(d1, d2, clusters=clusters, n_boot=n_boot, seed=seed, rates=False)
+    groups = _groups(clusters, d1.size)
+    if not rates or _one_cache(groups):
+        return ci, p
+    if not all(np.all((v == 0) | (v == 1)) for v in (v1, w1, v2, w2)):
+        raise StatsError("a difference of rate differences needs 0/1 (or boolean) values")
+    n_eff = d1.size / _design_effect(d1 - d2, groups, n_boot, seed)
+
+    def bounds(at: float) -> tuple[float, float]:
+        (l1, u1), (l2, u2) = (paired_rate_interval(x, y, n_eff=n_eff, level=at) for x, y in ((v1, w1), (v2, w2)))
+        t1, t2 = d1.mean(), d2.mean()
+        return (
+            max(-2.0, (t1 - t2) - float(np.sqrt((t1 - l1) ** 2 + (u2 - t2) ** 2))),
+            min(2.0, (t1 - t2) + float(np.sqrt((u1 - t1) ** 2 + (t2 - l2) ** 2))),
+        )
+
+    lo, hi = bounds(level)
+    widened = CI(ci.mean, min(ci.lo, lo), max(ci.hi, hi), ci.n, level, ci.n_clusters)
+    return widened, max(p, _score_p(bounds, float(d1.mean() - d2.mean())))
 
 
 def holm(pvalues) -> list[float]:

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from conftest import study_module
 from kvlab.errors import EvalSetError
 from kvlab.findings import haystack
 from kvlab.findings.evalset import Names
@@ -105,15 +104,15 @@ def test_captured_is_another_needles_code_only():
 
 def test_the_studys_reprefill_rows_are_what_a_reprefill_merge_reads():
     import kvlab
+    from kvlab.findings.needles import joined
     from kvlab.findings.qa import ask
 
-    haystack_study = study_module("haystack")
     model = kvlab.load_model("tiny-llama")
     names = Names(random.Random(0))
     s, _ = haystack.haystack_set(haystack.corpus(0), 0, 2, 48, (0.3, 0.8), words, random.Random(0), names)
     rows = ask(model, s, {"naive": "naive", "reprefill": "reprefill"}, greedy_tokens=3)
     real = [r for r in rows if r["strategy"] == "reprefill"]
-    made = [haystack_study.joined(r) for r in rows if r["strategy"] == "naive"]
+    made = [joined(r) for r in rows if r["strategy"] == "naive"]
     assert len(real) == len(made) == 2
     for a, b in zip(real, made, strict=True):
         assert {k: v for k, v in a.items() if k != "merge_s"} == {k: v for k, v in b.items() if k != "merge_s"}

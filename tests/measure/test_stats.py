@@ -6,14 +6,17 @@ import numpy as np
 import pytest
 
 from kvlab.errors import StatsError
+from kvlab.measure import stats
 from kvlab.measure.stats import (
     fmt_ci,
     gap_closed_ci,
     holm,
     mean_ci,
+    paired_did,
     paired_diff_ci,
     paired_family,
     paired_p,
+    paired_rate_interval,
     proportion_ci,
 )
 
@@ -193,3 +196,70 @@ def test_one_cache_gives_no_interval_and_resolves_nothing():
     two = [7, 7, 7, 8, 8, 8]
     assert paired_diff_ci(a, b, clusters=two).excludes(0.0) and paired_p(a, b, clusters=two) < 0.05
     assert paired_diff_ci(a, b).excludes(0.0)
+
+
+def test_a_paired_difference_of_rates_is_newcombes_interval_and_never_collapses():
+    # Fagerland, Lydersen and Laake (2017), chapter 8: 59 pairs both right, 6 and 16 discordant, 80 neither.
+    a = np.array([1] * 59 + [1] * 6 + [0] * 16 + [0] * 80, dtype=bool)
+    b = np.array([1] * 59 + [0] * 6 + [1] * 16 + [0] * 80, dtype=bool)
+    lo, hi = paired_rate_interval(a, b)
+    assert (lo, hi) == pytest.approx((-0.1186, -0.0046), abs=5e-5)
+    # The pairing (phi) narrows it: the two rates' Wilson intervals combined as if independent span about 0.21.
+    assert paired_rate_interval(a, b, n_eff=161) == (lo, hi) and hi - lo < 0.12
+    c = paired_diff_ci(a, b)
+    assert c.lo <= lo and c.hi >= hi and c.mean == pytest.approx(-10 / 161)
+    # No pair disagrees in 72 questions over 12 caches: the bootstrap alone says [0, 0].
+    same = np.array([True] * 7 + [False] * 65)
+    caches = np.repeat(np.arange(12), 6)
+    alone = paired_diff_ci(same, same, clusters=caches, rates=False)
+    assert (alone.lo, alone.hi) == (0.0, 0.0)
+    d = paired_diff_ci(same, same, clusters=caches)
+    assert d.lo < -0.03 and d.hi > 0.03 and not d.excludes(0.0) and d.n_clusters == 12
+    # Booleans are rates by default; floats are not, unless told; other values are refused.
+    assert paired_diff_ci(same * 1.0, same * 1.0, clusters=caches, rates=True) == d
+    with pytest.raises(StatsError, match="0/1"):
+        paired_diff_ci([0.5, 1.0], [0.0, 1.0], rates=True)
+    # Clustered rates count for fewer pairs: wider than the items-alone score interval.
+    rng = np.random.default_rng(4)
+    skill = np.repeat(rng.random(8) < 0.5, 9)
+    x, y = skill ^ (rng.random(72) < 0.1), skill ^ (rng.random(72) < 0.1)
+    by_cache = paired_diff_ci(x, y, clusters=np.repeat(np.arange(8), 9))
+    assert by_cache.hi - by_cache.lo >= np.subtract(*paired_rate_interval(x, y)[::-1]) - 1e-12
+
+
+def test_a_rate_difference_is_resolved_by_its_p_only_where_its_interval_excludes_0():
+    # Few caches: the bootstrap p alone called differences resolved whose widened interval held 0.
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        k, per = rng.integers(3, 10), rng.integers(2, 9)
+        skill = np.repeat(rng.random(k) < rng.random(), per)
+        x, y = (skill ^ (rng.random(k * per) < rng.random() * 0.5) for _ in range(2))
+        caches = np.repeat(np.arange(k), per)
+        p = paired_p(x, y, clusters=caches)
+        assert (p < 0.05) == paired_diff_ci(x, y, clusters=caches).excludes(0.0)
+        assert p >= paired_p(x, y, clusters=caches, rates=False)
+    same = np.array([True, False] * 12)
+    assert paired_p(same, same, clusters=np.repeat(np.arange(4), 6)) == 1.0
+
+
+def test_a_difference_of_rate_differences_is_movers_combination_and_never_collapses():
+    rng = np.random.default_rng(6)
+    caches = np.repeat(np.arange(4), 6)
+    # No question changes its answer between the strategies in either cell: the bootstrap says [0, 0].
+    right = rng.random(24) < 0.5
+    ci, p = paired_did(right, right, ~right, ~right, clusters=caches)
+    assert ci.lo < -0.05 and ci.hi > 0.05 and p == 1.0 and ci.n_clusters == 4
+    # The widened interval is the MOVER combination of the two cells' Newcombe intervals.
+    a1, b1, a2, b2 = (rng.random(24) < q for q in (0.2, 0.7, 0.5, 0.5))
+    ci, p = paired_did(a1, b1, a2, b2, clusters=caches)
+    n_eff = 24 / stats._design_effect((a1 * 1.0 - b1) - (a2 * 1.0 - b2), stats._groups(caches, 24), 2000, 0)
+    (l1, u1), (l2, u2) = paired_rate_interval(a1, b1, n_eff=n_eff), paired_rate_interval(a2, b2, n_eff=n_eff)
+    t1, t2 = a1.mean() - b1.mean(), a2.mean() - b2.mean()
+    assert ci.lo <= (t1 - t2) - np.hypot(t1 - l1, u2 - t2) + 1e-12
+    assert ci.hi >= (t1 - t2) + np.hypot(u1 - t1, t2 - l2) - 1e-12
+    assert (p < 0.05) == ci.excludes(0.0)
+    # Numbers that are not rates: the bootstrap of the differences of differences, as paired_diff_ci gives it.
+    x = [rng.normal(size=24) for _ in range(4)]
+    got, q = paired_did(*x, clusters=caches)
+    assert got == paired_diff_ci(x[0] - x[1], x[2] - x[3], clusters=caches)
+    assert q == paired_p(x[0] - x[1], x[2] - x[3], clusters=caches)

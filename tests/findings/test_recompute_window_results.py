@@ -1,0 +1,61 @@
+"""The recompute-window study: its section is printed from its rows, on the haystack study's own caches.
+
+No model is run: the committed rows (``results/recompute_window_<model>.csv``) are read back, the
+README section is compared with what ``studies/recompute_window.py --markdown`` prints from them,
+and the caches are checked to be the haystack study's at 2 fragments (same questions, truths,
+needle positions and merge lengths), so the two studies' numbers can be read side by side.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import study_module
+
+ROOT = Path(__file__).resolve().parents[2]
+MODELS = ("smollm2-135m", "gemma3-270m")
+
+
+@pytest.fixture(scope="module")
+def study():
+    return study_module("recompute_window")
+
+
+def rows(name: str, model: str) -> list[dict]:
+    from kvlab.findings.haystack_table import TEXT
+    from kvlab.findings.rows import read_rows
+
+    return read_rows(ROOT / "results" / f"{name}_{model}.csv", text=TEXT)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_the_section_is_printed_from_the_committed_rows(study, model):
+    page = (ROOT / "results" / "README.md").read_text()
+    printed = study.markdown(rows("recompute_window", model), model)
+    assert printed.strip() in page, (
+        f"regenerate: .venv/bin/python studies/recompute_window.py --model {model} --markdown"
+    )
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_the_caches_are_the_haystack_studys_at_two_fragments(study, model):
+    window = rows("recompute_window", model)
+    hay = [r for r in rows("haystack", model) if r["n_fragments"] == 2 and r["layout"] == "single"]
+    key = ("set", "question", "truth", "depth", "needle_at", "total_tokens", "first_tokens")
+
+    def cache(r):
+        return tuple(r[k] for k in key)
+
+    assert {cache(r) for r in window} == {cache(r) for r in hay}
+    assert len({r["set"] for r in window}) == 20 and {r["n_fragments"] for r in window} == {2}
+    arms = {r["strategy"] for r in window}
+    assert arms == {"rerotate", "reprefill"} | {study.label(p, r) for p in study.POLICIES for r in study.RATIOS}
+    # The arms both studies read agree question by question: the same merges of the same caches.
+    for arm in ("rerotate", "recompute r=0.15", "reprefill"):
+        a = {(r["set"], r["question"]): r for r in window if r["strategy"] == arm}
+        b = {(r["set"], r["question"]): r for r in hay if r["strategy"] == arm}
+        assert a.keys() == b.keys()
+        for q in a:
+            assert a[q]["span_kl"] == pytest.approx(b[q]["span_kl"], rel=1e-3, abs=1e-5)
