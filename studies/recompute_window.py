@@ -26,21 +26,43 @@ haystacks: ``<policy> r=<r> - rerotate`` in answer-span KL for every policy and 
 comparisons). SmolLM2 (no sliding window, where recompute helped at every count) is the
 contrast.
 
+Follow-up, named after that run and before its own (``--selection``): where each selection's
+tokens sit. No question is read: for every cache and ratio, the tokens ``deviation``,
+``random_later`` and ``fragment_start`` (the first tokens of the later fragment) choose, as a
+share of the later fragment's tokens by tenth of its length (first and last tenth), their mean
+relative place in it, and the share of the needle's tokens chosen (needles in the later fragment
+only). A selection that concentrates where recomputing first costs would show it here; a random
+draw spreads evenly (a tenth per tenth).
+
+Second follow-up, named after the selection probe and before its own run (``--policy
+fragment_start``): on both models ``deviation`` puts about half of its r = 0.05 budget in the
+first tenth of the later fragment, so where it recomputes first does not by itself tell Gemma 3
+from SmolLM2. If recomputing the later fragment's start first is what costs on Gemma 3,
+``fragment_start`` (nearly all of its r = 0.05 budget there) costs too, at least at small r; if
+it does not, ``deviation``'s cost lies in which tokens it ranks first, not in where they sit.
+The same caches, ``rerotate`` and ``fragment_start`` at every ratio; the family per model is
+``fragment_start r=<r> - rerotate`` in answer-span KL (4 comparisons, Holm).
+
     .venv/bin/python studies/recompute_window.py --model gemma3-270m [--haystacks 20]
     .venv/bin/python studies/recompute_window.py --model gemma3-270m --markdown   # tables from the committed rows
+    .venv/bin/python studies/recompute_window.py --model gemma3-270m --selection [--markdown]
+    .venv/bin/python studies/recompute_window.py --model gemma3-270m --policy fragment_start [--markdown]
 
-Writes ``results/recompute_window_<model>.csv`` (the haystack study's columns) and ``.json`` (the run).
+Writes ``results/recompute_window_<model>.csv`` (the haystack study's columns) and ``.json`` (the
+run); ``--selection`` writes ``results/recompute_window_selection_<model>.csv`` and ``.json``,
+``--policy fragment_start`` ``results/recompute_window_fragment_start_<model>.csv`` and ``.json``.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from kvlab.cache.merge import landing_positions
 from kvlab.cache.recompute.strategy import Recompute
 from kvlab.cache.strategies import Rerotate
 from kvlab.findings import longctx
 from kvlab.findings.haystack_table import CLUSTER, DEPTHS, TEXT
-from kvlab.findings.needles import haystack_rows
+from kvlab.findings.needles import haystack_caches, haystack_rows, needle_span
 from kvlab.findings.rows import read_rows
 from kvlab.lab.study import run_set_study, set_study_parser
 from kvlab.measure.stats import fmt_ci, mean_ci, paired_family, proportion_ci
@@ -49,6 +71,8 @@ RESULTS = Path(__file__).resolve().parents[1] / "results"
 COUNT = 2
 RATIOS = (0.05, 0.15, 0.3, 0.45)
 POLICIES = ("deviation", "random_later")
+#: The follow-up's selections: the two of the run, and the first tokens of the later fragment.
+SELECTIONS = ("deviation", "random_later", "fragment_start")
 
 
 def label(policy: str, r: float) -> str:
@@ -56,27 +80,27 @@ def label(policy: str, r: float) -> str:
     return f"recompute r={r:g}" if policy == "deviation" else f"{policy} r={r:g}"
 
 
-def merges(seed: int) -> dict:
-    """``rerotate``, then recompute at every ratio under both policies (the same draw seed)."""
+def merges(seed: int, policies: tuple[str, ...] = POLICIES) -> dict:
+    """``rerotate``, then recompute at every ratio under each policy (the same draw seed)."""
     out = {"rerotate": Rerotate()}
-    for policy in POLICIES:
+    for policy in policies:
         for r in RATIOS:
             out[label(policy, r)] = Recompute(ratio=r, policy=policy, seed=seed)
     return out
 
 
-def family(rows: list[dict], seed: int = 0) -> list[dict]:
+def family(rows: list[dict], seed: int = 0, policies: tuple[str, ...] = POLICIES) -> list[dict]:
     """The named comparisons: each arm minus rerotate in answer-span KL, with interval, p and Holm p."""
     comparisons = []
-    for policy in POLICIES:
+    for policy in policies:
         for r in RATIOS:
             x, y, labels = longctx.pairs(rows, label(policy, r), "rerotate", "span_kl", None, cluster=CLUSTER)
             comparisons.append(({"policy": policy, "ratio": r}, x, y, labels))
     return paired_family(comparisons, seed=seed)
 
 
-def markdown(rows: list[dict], model: str, seed: int = 0) -> str:
-    """The run's tables and conclusion lines, from its rows."""
+def markdown(rows: list[dict], model: str, seed: int = 0, policies: tuple[str, ...] = POLICIES) -> str:
+    """The run's tables and conclusion lines, from its rows (``policies``: the run's recompute selections)."""
     n = len({r["set"] for r in rows})
     q = len({(r["set"], r["question"]) for r in rows})
     tokens = sorted({r["total_tokens"] for r in rows})
@@ -91,12 +115,13 @@ def markdown(rows: list[dict], model: str, seed: int = 0) -> str:
         f"**{model}**, {COUNT} fragments, {n} haystacks, {q} questions (merges of {tokens[0]}-{tokens[-1]} tokens, "
         f"fragment 0 of {first[0]}-{first[-1]}; r* {r_star[0]:.2f}-{r_star[-1]:.2f}); the joined prefill's exact "
         f"match {fmt_ci(ref, '.2f')}. Per arm: answer-span KL against the joined prefill (nats/token), exact "
-        "match; then the arm minus rerotate in answer-span KL (paired; Holm over the 8 named comparisons):",
+        f"match; then the arm minus rerotate in answer-span KL (paired; Holm over the {len(policies) * len(RATIOS)} "
+        "named comparisons):",
         "",
         "| arm | answer-span KL | exact match | minus rerotate | Holm p |",
         "|---|---|---|---|---|",
     ]
-    fam = {(f["policy"], f["ratio"]): f for f in family(rows, seed)}
+    fam = {(f["policy"], f["ratio"]): f for f in family(rows, seed, policies)}
 
     def arm(name: str) -> tuple[str, str]:
         rs = [r for r in rows if r["strategy"] == name]
@@ -106,7 +131,7 @@ def markdown(rows: list[dict], model: str, seed: int = 0) -> str:
         return fmt_ci(kl, ".4f"), fmt_ci(em, ".2f")
 
     out.append("| rerotate | {} | {} | - | - |".format(*arm("rerotate")))
-    for policy in POLICIES:
+    for policy in policies:
         for r in RATIOS:
             f = fam[policy, r]
             b = "**" if f["p_holm"] <= 0.05 else ""
@@ -114,36 +139,121 @@ def markdown(rows: list[dict], model: str, seed: int = 0) -> str:
                 f"| {label(policy, r)} | {' | '.join(arm(label(policy, r)))} | {b}{fmt_ci(f['ci'], '+.4f')}{b} | "
                 f"{f['p_holm']:.3f} |"
             )
-    costs = {p: [r for r in RATIOS if fam[p, r]["p_holm"] <= 0.05 and fam[p, r]["ci"].mean > 0] for p in POLICIES}
-    gains = {p: [r for r in RATIOS if fam[p, r]["p_holm"] <= 0.05 and fam[p, r]["ci"].mean < 0] for p in POLICIES}
+    costs = {p: [r for r in RATIOS if fam[p, r]["p_holm"] <= 0.05 and fam[p, r]["ci"].mean > 0] for p in policies}
+    gains = {p: [r for r in RATIOS if fam[p, r]["p_holm"] <= 0.05 and fam[p, r]["ci"].mean < 0] for p in policies}
     out += [""] + [
         f"* {p}: costs (resolved above rerotate) at r = {', '.join(map(str, costs[p])) or 'none'}; "
         f"gains (resolved below) at r = {', '.join(map(str, gains[p])) or 'none'}"
-        for p in POLICIES
+        for p in policies
     ]
     return "\n".join(out)
 
 
+def selection_rows(model, h: int, tokens: int, seed: int) -> list[dict]:
+    """Where each selection's tokens sit in haystack ``h``'s 2-fragment caches, per policy and ratio."""
+    out = []
+    for _, _, s, (frags, _) in haystack_caches(model, h, tokens, seed, counts=(COUNT,), depths=DEPTHS):
+        lands = landing_positions(frags)
+        later, total = lands[1], lands[-1] + frags[-1].length
+        q = s.questions[0]
+        n0, n1 = needle_span(model, s, frags, q)
+        for policy in SELECTIONS:
+            for r in RATIOS:
+                chosen = Recompute(ratio=r, policy=policy, seed=seed).select(frags, lands, model)
+                chosen = chosen[chosen >= later]  # fragment 0 is exact already: the strategy drops it too
+                rel = (chosen.double() - later) / (total - later)
+                picked = set(chosen.tolist())
+                out.append(
+                    {
+                        "set": h,
+                        "depth": s.facts["depths"][q.subject],
+                        "policy": policy,
+                        "ratio": r,
+                        "later_tokens": total - later,
+                        "chosen": len(picked),
+                        "first_tenth": float((rel < 0.1).double().mean()) if picked else 0.0,
+                        "last_tenth": float((rel >= 0.9).double().mean()) if picked else 0.0,
+                        "mean_place": float(rel.mean()) if picked else 0.0,
+                        "needle_later": n0 >= later,
+                        "needle_chosen": sum(t in picked for t in range(n0, n1)) / (n1 - n0),
+                    }
+                )
+    return out
+
+
+def selection_markdown(rows: list[dict], model: str, seed: int = 0) -> str:
+    """The follow-up's table: per selection and ratio, where its tokens sit (means over caches, cluster intervals)."""
+    n = len({r["set"] for r in rows})
+    out = [
+        f"**{model}**, where each selection's tokens sit in the later fragment ({n} haystacks, "
+        f"{len(rows) // (len(SELECTIONS) * len(RATIOS))} caches; a random spread puts 0.10 in each tenth and its "
+        "mean place at 0.50; needle share over the caches whose needle is in the later fragment):",
+        "",
+        "| selection | r | in the first tenth | in the last tenth | mean place (0 first, 1 last) "
+        "| share of the needle's tokens chosen |",
+        "|---|---|---|---|---|---|",
+    ]
+    for policy in SELECTIONS:
+        for r in RATIOS:
+            rs = [x for x in rows if x["policy"] == policy and x["ratio"] == r]
+            sets = [x["set"] for x in rs]
+            cells = [
+                fmt_ci(mean_ci([x[m] for x in rs], clusters=sets, seed=seed), ".2f")
+                for m in ("first_tenth", "last_tenth", "mean_place")
+            ]
+            late = [x for x in rs if x["needle_later"]]
+            cells.append(
+                fmt_ci(mean_ci([x["needle_chosen"] for x in late], clusters=[x["set"] for x in late], seed=seed), ".2f")
+            )
+            out.append(f"| {policy} | {r:g} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def main() -> None:
-    args = set_study_parser(__doc__, RESULTS, sets="haystacks", tokens=192).parse_args()
-    path = args.out / f"recompute_window_{args.model}.csv"
+    ap = set_study_parser(__doc__, RESULTS, sets="haystacks", tokens=192)
+    ap.add_argument("--selection", action="store_true", help="the follow-up: where each selection's tokens sit")
+    ap.add_argument(
+        "--policy", choices=("fragment_start",), help="the second follow-up: read this selection's arms alone"
+    )
+    args = ap.parse_args()
+    policies = (args.policy,) if args.policy else POLICIES
+    if args.selection:
+        path = args.out / f"recompute_window_selection_{args.model}.csv"
+        if args.markdown:
+            print(selection_markdown(read_rows(path), args.model, args.seed))
+            return
+        rows, model = run_set_study(
+            "studies/recompute_window.py",
+            path,
+            args,
+            lambda model, h: selection_rows(model, h, args.tokens, args.seed),
+            sets="haystacks",
+            count=COUNT,
+            depths=list(DEPTHS),
+            ratios=list(RATIOS),
+            selections=list(SELECTIONS),
+        )
+        print(selection_markdown(rows, model.name, args.seed))
+        return
+    stem = f"recompute_window_{args.policy}_" if args.policy else "recompute_window_"
+    path = args.out / f"{stem}{args.model}.csv"
     if args.markdown:
-        print(markdown(read_rows(path, text=TEXT), args.model, args.seed))
+        print(markdown(read_rows(path, text=TEXT), args.model, args.seed, policies))
         return
     rows, model = run_set_study(
         "studies/recompute_window.py",
         path,
         args,
         lambda model, h: haystack_rows(
-            model, h, args.tokens, args.seed, merges(args.seed), counts=(COUNT,), depths=DEPTHS
+            model, h, args.tokens, args.seed, merges(args.seed, policies), counts=(COUNT,), depths=DEPTHS
         ),
         sets="haystacks",
         count=COUNT,
         depths=list(DEPTHS),
         ratios=list(RATIOS),
-        policies=list(POLICIES),
+        policies=list(policies),
     )
-    print(markdown(rows, model.name, args.seed))
+    print(markdown(rows, model.name, args.seed, policies))
 
 
 if __name__ == "__main__":

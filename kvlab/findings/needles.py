@@ -11,12 +11,12 @@ haystack with the same index, seed and budget is the same text, needles and code
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from kvlab.cache.merge import landing_positions
 from kvlab.cache.strategies import Strategy
 from kvlab.findings import haystack, longctx
-from kvlab.findings.evalset import Names, contains
+from kvlab.findings.evalset import EvalSet, Names, contains
 from kvlab.findings.qa import ask, passage_fragments
 from kvlab.models.loaded import LoadedModel
 
@@ -45,6 +45,48 @@ def joined(row: dict) -> dict:
         "nll": row["nll_ref"],
         "merge_s": None,
     }
+
+
+def haystack_caches(
+    model: LoadedModel,
+    h: int,
+    tokens: int,
+    seed: int,
+    *,
+    counts: Sequence[int],
+    depths: Sequence[float],
+    multi_depths: Sequence[float] | None = None,
+) -> Iterator[tuple[int, str, EvalSet, list]]:
+    """Haystack ``h``'s caches, in the order of their draws: ``(count, layout, evalset, (fragments, probes))``.
+
+    ``fragments`` are :func:`kvlab.findings.qa.passage_fragments`'s, one per passage, each
+    prefilled alone (keys ``[1, kv_heads, L_i, head_dim]``); ``probes`` one per question.
+
+    The draws run over counts, then single depths, then the multi cache, so a call with a prefix
+    of another's counts and layouts yields the same caches. Parameters as :func:`haystack_rows`.
+    """
+    sents = haystack.corpus(seed)
+    count = longctx.token_counter(model)
+    rng = random.Random(f"haystack {seed} {h}")
+    names = Names(rng)  # one per haystack: every needle of it has its own town
+    start = h * STRIDE
+    for k in counts:
+        layouts = [("single", (d,)) for d in depths] + ([("multi", tuple(multi_depths))] if multi_depths else [])
+        for layout, at in layouts:
+            s, end = haystack.haystack_set(sents, start, k, tokens, at, count, rng, names, seed)
+            if end > start + STRIDE:
+                raise RuntimeError(f"haystack {h} runs past its stretch ({end - start} > {STRIDE} sentences)")
+            yield k, layout, s, passage_fragments(model, s)
+
+
+def needle_span(model: LoadedModel, s: EvalSet, frags: list, question) -> tuple[int, int]:
+    """``(first, end)``: merged positions of the needle a question asks about (within a token or two at the joins)."""
+    count = longctx.token_counter(model)
+    p = question.passages[0]
+    text = haystack.needle(question.subject, question.answer)
+    before = s.passages[p][: s.passages[p].index(text)]
+    first = landing_positions(frags)[p] + (frags[p].length - count(s.passages[p])) + count(before)
+    return first, first + count(text)
 
 
 def haystack_rows(
@@ -86,36 +128,24 @@ def haystack_rows(
         ``ref_captured``. The draws run in this order (counts, then single depths, then the multi
         cache), so a call with a prefix of another's counts and layouts builds the same caches.
     """
-    sents = haystack.corpus(seed)
-    count = longctx.token_counter(model)
-    rng = random.Random(f"haystack {seed} {h}")
-    names = Names(rng)  # one per haystack: every needle of it has its own town
-    start = h * STRIDE
     rows = []
-    for k in counts:
-        layouts = [("single", (d,)) for d in depths] + ([("multi", tuple(multi_depths))] if multi_depths else [])
-        for layout, at in layouts:
-            s, end = haystack.haystack_set(sents, start, k, tokens, at, count, rng, names, seed)
-            if end > start + STRIDE:
-                raise RuntimeError(f"haystack {h} runs past its stretch ({end - start} > {STRIDE} sentences)")
-            frags, probes = passage_fragments(model, s)
-            lands = landing_positions(frags)
-            codes = list(s.facts["codes"].values())
-            got = ask(model, s, dict(merges), greedy_tokens=GREEDY, fragments=frags, probes=probes)
-            got += [joined(r) for r in got if r["strategy"] == next(iter(merges))]
-            for r in got:
-                q = next(q for q in s.questions if q.text == r["question"])
-                p = q.passages[0]
-                before = s.passages[p][: s.passages[p].index(haystack.needle(q.subject, q.answer))]
-                rows.append(
-                    {"set": h, "n_fragments": k, "layout": layout, "depth": s.facts["depths"][q.subject]}
-                    | r
-                    | {
-                        "needle_at": lands[p] + (frags[p].length - count(s.passages[p])) + count(before),
-                        "total_tokens": sum(f.length for f in frags),
-                        "first_tokens": frags[0].length,
-                        "captured": haystack.captured(r["answer"], q.answer, codes),
-                        "ref_captured": haystack.captured(r["ref_answer"], q.answer, codes),
-                    }
-                )
+    caches = haystack_caches(model, h, tokens, seed, counts=counts, depths=depths, multi_depths=multi_depths)
+    for k, layout, s, (frags, probes) in caches:
+        lands = landing_positions(frags)
+        codes = list(s.facts["codes"].values())
+        got = ask(model, s, dict(merges), greedy_tokens=GREEDY, fragments=frags, probes=probes)
+        got += [joined(r) for r in got if r["strategy"] == next(iter(merges))]
+        for r in got:
+            q = next(q for q in s.questions if q.text == r["question"])
+            rows.append(
+                {"set": h, "n_fragments": k, "layout": layout, "depth": s.facts["depths"][q.subject]}
+                | r
+                | {
+                    "needle_at": needle_span(model, s, frags, q)[0],
+                    "total_tokens": lands[-1] + frags[-1].length,
+                    "first_tokens": frags[0].length,
+                    "captured": haystack.captured(r["answer"], q.answer, codes),
+                    "ref_captured": haystack.captured(r["ref_answer"], q.answer, codes),
+                }
+            )
     return rows

@@ -138,3 +138,25 @@ def test_the_readme_section_is_printed_from_the_committed_rows(model):
     # Teeth: one question's score changed changes what is printed.
     rows[0] = {**rows[0], "span_kl": rows[0]["span_kl"] + 0.5}
     assert markdown(rows, model) not in section
+
+
+@pytest.mark.real
+def test_a_needles_span_in_the_merge_holds_its_tokens_and_caches_repeat_by_prefix():
+    import torch
+
+    import kvlab
+    from kvlab.findings.needles import haystack_caches, needle_span
+
+    model = kvlab.load_model("smollm2-135m")  # the study's tokenizer and budget
+    short = list(haystack_caches(model, 0, 192, 0, counts=(2,), depths=(0.3, 0.8)))
+    longer = list(haystack_caches(model, 0, 192, 0, counts=(2, 4), depths=(0.3, 0.8)))
+    assert [c[2].passages for c in short] == [c[2].passages for c in longer[: len(short)]]
+    assert len(longer) == 2 * len(short) == 4
+    for _, _, s, (frags, _) in longer:
+        ids = torch.cat([f.token_ids for f in frags])
+        for q in s.questions:
+            first, end = needle_span(model, s, frags, q)
+            text = model.tokenizer.decode(ids[first:end])
+            # The whole needle, its town and its code, lies in the span, and nothing of the next one.
+            assert q.subject in text and q.answer in text, (text, q.subject, q.answer)
+            assert end - first <= len(model.tokenizer(haystack.needle(q.subject, q.answer))["input_ids"]) + 1

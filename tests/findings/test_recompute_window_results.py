@@ -59,3 +59,54 @@ def test_the_caches_are_the_haystack_studys_at_two_fragments(study, model):
         assert a.keys() == b.keys()
         for q in a:
             assert a[q]["span_kl"] == pytest.approx(b[q]["span_kl"], rel=1e-3, abs=1e-5)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_the_selection_table_is_printed_from_its_rows_and_a_random_draw_spreads_evenly(study, model):
+    from kvlab.findings.rows import read_rows
+
+    sel = read_rows(ROOT / "results" / f"recompute_window_selection_{model}.csv")
+    page = (ROOT / "results" / "README.md").read_text()
+    printed = study.selection_markdown(sel, model)
+    assert printed.strip() in page, (
+        f"regenerate: .venv/bin/python studies/recompute_window.py --model {model} --selection --markdown"
+    )
+    assert {(r["policy"], r["ratio"]) for r in sel} == {(p, r) for p in study.SELECTIONS for r in study.RATIOS}
+    # The places are measured right: a seeded random draw of later tokens puts about a tenth in each tenth.
+    for r in study.RATIOS:
+        draws = [x for x in sel if x["policy"] == "random_later" and x["ratio"] == r]
+        assert abs(sum(x["first_tenth"] for x in draws) / len(draws) - 0.1) < 0.03
+        assert abs(sum(x["mean_place"] for x in draws) / len(draws) - 0.5) < 0.05
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_the_fragment_start_follow_up_reads_the_same_caches_and_is_printed_from_its_rows(study, model):
+    follow = rows("recompute_window_fragment_start", model)
+    page = (ROOT / "results" / "README.md").read_text()
+    printed = study.markdown(follow, model, policies=("fragment_start",))
+    assert printed.strip() in page, (
+        f"regenerate: .venv/bin/python studies/recompute_window.py --model {model} --policy fragment_start --markdown"
+    )
+    first = rows("recompute_window", model)
+    rerotate = {(r["set"], r["question"]): r["span_kl"] for r in first if r["strategy"] == "rerotate"}
+    again = {(r["set"], r["question"]): r["span_kl"] for r in follow if r["strategy"] == "rerotate"}
+    assert again.keys() == rerotate.keys()
+    assert all(again[q] == pytest.approx(rerotate[q], rel=1e-6, abs=1e-9) for q in again)
+    # What the README concludes from it: the later fragment's start, recomputed alone, costs at no ratio.
+    fam = study.family(follow, policies=("fragment_start",))
+    assert len(fam) == len(study.RATIOS)
+    assert not [f for f in fam if f["p_holm"] <= 0.05 and f["ci"].mean > 0]
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_deviation_spends_much_of_a_small_budget_where_fragment_start_spends_nearly_all(study, model):
+    from kvlab.findings.rows import read_rows
+
+    sel = read_rows(ROOT / "results" / f"recompute_window_selection_{model}.csv")
+
+    def first_tenth(policy):
+        xs = [x["first_tenth"] for x in sel if x["policy"] == policy and x["ratio"] == min(study.RATIOS)]
+        return sum(xs) / len(xs)
+
+    # The README's reason for the second follow-up: at the smallest ratio both sit largely at the start.
+    assert first_tenth("deviation") > 0.4 and first_tenth("fragment_start") > 0.9
