@@ -2,8 +2,9 @@
 
 Every number is computed here from the per-question rows the long-context study committed
 (``results/long_context_<model>.csv``), the puzzle study's
-(``results/merge_puzzle_smollm2-135m.csv``) and the haystack study's
-(``results/haystack_<model>.csv``), with kvlab's cluster bootstrap over caches; nothing is
+(``results/merge_puzzle_smollm2-135m.csv``), the haystack study's
+(``results/haystack_<model>.csv``) and the naive-dose sweep's
+(``results/naive_dose/rows_<model>.csv``), with kvlab's cluster bootstrap over caches; nothing is
 typed in. ``studies/summary.py`` writes the page, and a test checks the committed page is what
 :func:`render` prints.
 """
@@ -141,6 +142,21 @@ def render(results: str | Path) -> str:
             "is right does a KL against it measure damage.",
         ),
     ]
+    # naive_dose's count axis: naive - rerotate by relative position, counts pooled, resampled by set (its table's seed 0).
+    dose_rows = {m: read_rows(results / "naive_dose" / f"rows_{m}.csv") for m in MODELS}
+    dose_sets = {m: len({r["set"] for r in rs}) for m, rs in dose_rows.items()}
+    dose_counts = sorted({r["n_fragments"] for r in dose_rows[s]})
+    dose = {}
+    for m in MODELS:
+        for where in ("first", "early", "late", "last"):
+            x, y, labels = pairs(dose_rows[m], "naive", "rerotate", "span_kl", {"relative": where}, ("set",))
+            dose[m, where] = paired_diff_ci(x, y, clusters=labels, seed=0)
+    g_low = min((c for (m, _), c in dose.items() if m == g), key=lambda c: c.lo)
+    g_dose = (
+        f"on Gemma 3 naive is further from the joined prefill at every relative position (the lowest, {fmt_ci(g_low, '+.3f')})"
+        if g_low.lo > 0
+        else "on Gemma 3 naive is not further from the joined prefill at every relative position"
+    )
     puzzle = diff[s][2, "pooled", "span_kl"]
     pz_all = read_study_rows(results / "merge_puzzle_smollm2-135m.csv")
     pz = {(c["n_fragments"], c["number"]): c for c in puzzle_rows.compare(pz_all)}
@@ -149,7 +165,8 @@ def render(results: str | Path) -> str:
         "# kvlab findings on one page",
         "",
         "Printed by `studies/summary.py` from the per-question rows of `results/long_context_<model>.csv` (and, "
-        "for the SmolLM2 puzzle, `results/merge_puzzle_smollm2-135m.csv`); every "
+        "for the SmolLM2 puzzle, `results/merge_puzzle_smollm2-135m.csv`; for offset against order, "
+        "`results/naive_dose/rows_<model>.csv`); every "
         "interval is a 95% cluster bootstrap over caches (caches resampled with all their questions; "
         "[docs/statistics.md](../docs/statistics.md)), paired differences are paired over the same questions, and "
         "p-values are Holm-adjusted within their family (one per model and metric: every count × stratum). "
@@ -197,11 +214,16 @@ def render(results: str | Path) -> str:
         "fragments' first tokens out changes the naive − rerotate gap by "
         f"{fmt_ci(pz[2, 1]['ci'], '+.3f')} at 2 and {fmt_ci(pz[8, 1]['ci'], '+.3f')} at 8. Open: why SmolLM2 "
         "is captured and Gemma 3 is not, and whether a larger model is.",
-        "* **Offset or order?** naive_dose now asks every passage at every count (2, 4, 8). On SmolLM2 the same "
-        "passage at the same offset changes the sign of naive − rerotate with its place in the merge (early: naive "
-        "closer to the joined prefill; late and last: rerotate closer), so order, not absolute offset, sets the "
-        "sign ([README.md](README.md#the-dose-response-of-a-naive-merge)). That rests on 4 sets (3 on Gemma 3, "
-        "where naive is worse everywhere); more sets, and which part of order matters, are open.",
+        f"* **Offset or order?** naive_dose asks every passage at every count "
+        f"({', '.join(map(str, dose_counts))}; {dose_sets[s]} generated sets on SmolLM2, {dose_sets[g]} on Gemma 3). "
+        "On SmolLM2 the same passage at the same offset changes the sign of naive − rerotate with its place in "
+        "the merge (early: naive closer to the joined prefill; late and last: rerotate closer): counts pooled, "
+        f"answer-span KL naive − rerotate is {fmt_ci(dose[s, 'first'], '+.3f')} on the first passage and "
+        f"{fmt_ci(dose[s, 'last'], '+.3f')} on the last ({dose[s, 'last'].n_clusters} sets, "
+        f"{dose[s, 'last'].n} questions), so order, not absolute offset, sets the sign "
+        f"([README.md](README.md#the-dose-response-of-a-naive-merge)); {g_dose}. "
+        "Open: which part of order matters (the fragments after the passage, or the last fragment's place next "
+        "to the question).",
         "* **The recompute curve near r*.** The curve ends at r* = (N − L₀)/N, where every policy is the joined "
         "prefill, and is recomputed from committed rows ([README.md](README.md#the-recompute-curve)). Measured "
         "up to r = 0.7, every policy's r90 lies between the measured ratios 0.6 and 0.7, just below r*: on these "
