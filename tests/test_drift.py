@@ -143,7 +143,31 @@ def missing_paths(root: Path, pyproject: Path) -> list[str]:
     return [w for w in words if not any(_matches(base, w.rstrip("/")) for base in bases)]
 
 
+#: Past this many lines a module must be named in ARCHITECTURE.md's "Large modules", with the reason.
+LARGE = 450
+
+
+def large_gaps(package: Path, architecture: Path) -> list[str]:
+    """Modules over :data:`LARGE` lines that the "Large modules" section does not name with their length."""
+    text = architecture.read_text()
+    start = text.index("## Large modules")
+    section = text[start : text.index("\n## ", start + 1)]
+    named = {m: int(n) for m, n in re.findall(r"^\* `([\w/]+\.py)` \((\d+)\)", section, re.M)}
+    gaps = []
+    for p in sorted(package.rglob("*.py")):
+        rel, lines = p.relative_to(package).as_posix(), len(p.read_text().splitlines())
+        if lines > LARGE and rel not in named:
+            gaps.append(f"kvlab/{rel} has {lines} lines and is not in ARCHITECTURE.md's Large modules")
+        elif rel in named and named[rel] != lines:
+            gaps.append(f"ARCHITECTURE.md's Large modules gives kvlab/{rel} {named[rel]} lines; it has {lines}")
+    return gaps
+
+
 # --------------------------------------------------------------------------- the checks
+
+
+def test_every_module_past_450_lines_is_named_with_its_reason():
+    assert large_gaps(PACKAGE, ARCHITECTURE) == []
 
 
 def test_every_module_is_in_its_folders_layers_contract():
@@ -265,3 +289,19 @@ kvlab = ["files/*.schema.json"]
     (tmp_path / "notebooks" / "01_a.ipynb").unlink()
     pyproject.write_text(text)
     assert missing_paths(tmp_path, pyproject) == ["*.ipynb"]
+
+
+def test_a_module_grown_past_450_lines_unnamed_fails(tmp_path):
+    (tmp_path / "kvlab" / "measure").mkdir(parents=True)
+    (tmp_path / "kvlab" / "measure" / "stats.py").write_text("x = 1\n" * (LARGE + 1))
+    doc = tmp_path / "ARCHITECTURE.md"
+    doc.write_text("## Large modules\n\nNone.\n\n## Next\n")
+    assert large_gaps(tmp_path / "kvlab", doc) == [
+        f"kvlab/measure/stats.py has {LARGE + 1} lines and is not in ARCHITECTURE.md's Large modules"
+    ]
+    doc.write_text(f"## Large modules\n\n* `measure/stats.py` ({LARGE + 1}): one idea.\n\n## Next\n")
+    assert large_gaps(tmp_path / "kvlab", doc) == []
+    (tmp_path / "kvlab" / "measure" / "stats.py").write_text("x = 1\n" * LARGE)
+    assert large_gaps(tmp_path / "kvlab", doc) == [
+        f"ARCHITECTURE.md's Large modules gives kvlab/measure/stats.py {LARGE + 1} lines; it has {LARGE}"
+    ]

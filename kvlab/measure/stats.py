@@ -9,7 +9,7 @@ column only (it double-counts the within-cache spread and widens the interval). 
 gives rates (exact match, agreement) an interval that never collapses at 0 or 1: the cluster
 bootstrap's, widened to cover the Wilson interval at the effective sample size; a paired
 difference of rates (:func:`paired_diff_ci` on booleans) is likewise widened to cover Newcombe's
-score interval for paired proportions (:func:`paired_rate_interval`). :func:`holm`
+score interval for paired proportions (:func:`kvlab.measure.scores.paired_rate_interval`). :func:`holm`
 corrects a family of named comparisons. Resampling is vectorised and seeded: a re-run prints
 the same interval. Values from a single cache say nothing of how caches vary: their interval
 has NaN bounds and their p-value is 1, never a zero-width interval called resolved.
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvlab.errors import StatsError
+from kvlab.measure.scores import finite_values, paired_rate_interval, rate_p, score_p
 
 #: Bootstrap resamples unless told otherwise.
 N_BOOT = 2000
@@ -91,15 +92,6 @@ def fmt_ci(c, spec: str = ".4f") -> str:
     if caches == 1 and lo != lo and hi != hi:
         return f"{mean:{spec}} [one cache: no interval]"
     return f"{mean:{spec}} [{lo:{spec}}, {hi:{spec}}]"
-
-
-def _values(x, name: str) -> np.ndarray:
-    a = np.asarray(x, dtype=np.float64).ravel()
-    if a.size == 0:
-        raise StatsError(f"{name} is empty: a mean needs at least one value")
-    if not np.all(np.isfinite(a)):
-        raise StatsError(f"{name} holds {int((~np.isfinite(a)).sum())} non-finite value(s); drop or explain them first")
-    return a
 
 
 def _check(n_boot: int, level: float) -> None:
@@ -197,7 +189,7 @@ def mean_ci(
     CI
     """
     _check(n_boot, level)
-    a = _values(values, "values")
+    a = finite_values(values, "values")
     return _interval(a, _groups(clusters, a.size), n_boot, seed, level, two_stage)
 
 
@@ -240,7 +232,7 @@ def paired_diff_ci(
     _check(n_boot, level)
     if rates is None:
         rates = np.asarray(a).dtype == bool and np.asarray(b).dtype == bool
-    x, y = _values(a, "a"), _values(b, "b")
+    x, y = finite_values(a, "a"), finite_values(b, "b")
     if x.shape != y.shape:
         raise StatsError(f"paired values need equal lengths, got {x.size} and {y.size}")
     groups = _groups(clusters, x.size)
@@ -259,55 +251,6 @@ def _design_effect(a: np.ndarray, groups, n_boot: int, seed: int) -> float:
         return 1.0
     iid = _resample_means(a, None, n_boot, seed).var()
     return max(1.0, float(_resample_means(a, groups, n_boot, seed).var() / iid)) if iid > 0 else 1.0
-
-
-def paired_rate_interval(a, b, *, n_eff: float | None = None, level: float = 0.95) -> tuple[float, float]:
-    """Newcombe's hybrid score interval for ``mean(a) - mean(b)``, two rates over the same items.
-
-    Newcombe (1998, Statistics in Medicine 17:2635, method 10): Wilson score intervals of the
-    two rates, combined with the correlation of the paired 2x2 table (phi, continuity-corrected
-    as Newcombe does). It never collapses, not even when no pair disagrees. Checked against the
-    worked example in Fagerland, Lydersen and Laake (2017), *Statistical Analysis of Contingency
-    Tables*, chapter 8 (pairs 59, 6, 16, 80: -0.0621 [-0.1186, -0.0046]).
-
-    Parameters
-    ----------
-    a, b : array-like
-        ``[n]`` 0/1 outcomes, paired item by item.
-    n_eff : float, optional
-        Effective number of pairs (clustered items count for fewer): the table is scaled to it.
-    level : float
-
-    Returns
-    -------
-    (float, float)
-        Lower and upper bound, within [-1, 1].
-    """
-    from scipy.stats import norm
-
-    x, y = _values(a, "a"), _values(b, "b")
-    if x.shape != y.shape:
-        raise StatsError(f"paired values need equal lengths, got {x.size} and {y.size}")
-    scale = 1.0 if n_eff is None else float(n_eff) / x.size
-    both, only_a = scale * float(np.sum(x * y)), scale * float(np.sum(x * (1 - y)))
-    only_b, neither = scale * float(np.sum((1 - x) * y)), scale * float(np.sum((1 - x) * (1 - y)))
-    n = both + only_a + only_b + neither
-    z = float(norm.ppf(1 - (1 - level) / 2))
-
-    def wilson(k: float) -> tuple[float, float, float]:
-        p = k / n
-        centre, half = p + z * z / (2 * n), z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
-        return p, (centre - half) / (1 + z * z / n), (centre + half) / (1 + z * z / n)
-
-    (p1, l1, u1), (p2, l2, u2) = wilson(both + only_a), wilson(both + only_b)
-    margins = (both + only_a) * (only_b + neither) * (both + only_b) * (only_a + neither)
-    cross = both * neither - only_a * only_b
-    # Newcombe's correction: a positive association is shrunk by n/2 (none when it is smaller).
-    cross = cross - n / 2 if cross > n / 2 else min(cross, 0.0)
-    phi = cross / np.sqrt(margins) if margins > 0 else 0.0
-    lo = (p1 - p2) - np.sqrt(max(0.0, (p1 - l1) ** 2 - 2 * phi * (p1 - l1) * (u2 - p2) + (u2 - p2) ** 2))
-    hi = (p1 - p2) + np.sqrt(max(0.0, (p2 - l2) ** 2 - 2 * phi * (p2 - l2) * (u1 - p1) + (u1 - p1) ** 2))
-    return max(-1.0, float(lo)), min(1.0, float(hi))
 
 
 def proportion_ci(successes, *, clusters=None, n_boot: int = N_BOOT, seed: int = 0, level: float = 0.95) -> CI:
@@ -332,7 +275,7 @@ def proportion_ci(successes, *, clusters=None, n_boot: int = N_BOOT, seed: int =
     from scipy.stats import binomtest
 
     _check(n_boot, level)
-    a = _values(successes, "successes")
+    a = finite_values(successes, "successes")
     if not np.all((a == 0) | (a == 1)):
         raise StatsError("a proportion needs 0/1 (or boolean) values; use mean_ci for other numbers")
     groups = _groups(clusters, a.size)
@@ -361,7 +304,7 @@ def gap_closed_ci(treated, baseline, *, clusters=None, n_boot: int = N_BOOT, see
         ``[n]`` cache labels, as for :func:`mean_ci`.
     """
     _check(n_boot, level)
-    x, y = _values(treated, "treated"), _values(baseline, "baseline")
+    x, y = finite_values(treated, "treated"), finite_values(baseline, "baseline")
     if x.shape != y.shape:
         raise StatsError(f"paired values need equal lengths, got {x.size} and {y.size}")
     if y.mean() <= 0:
@@ -397,7 +340,7 @@ def paired_p(a, b, *, clusters=None, n_boot: int = N_BOOT, seed: int = 0, rates:
     """
     if rates is None:
         rates = np.asarray(a).dtype == bool and np.asarray(b).dtype == bool
-    x, y = _values(a, "a"), _values(b, "b")
+    x, y = finite_values(a, "a"), finite_values(b, "b")
     if x.shape != y.shape:
         raise StatsError(f"paired values need equal lengths, got {x.size} and {y.size}")
     d = x - y
@@ -408,28 +351,8 @@ def paired_p(a, b, *, clusters=None, n_boot: int = N_BOOT, seed: int = 0, rates:
     p = 2 * min(float((means <= 0).mean()), float((means >= 0).mean()))
     p = float(min(1.0, max(p, 1.0 / int(n_boot))))
     if rates:
-        p = max(p, _rate_p(x, y, x.size / _design_effect(d, groups, n_boot, seed)))
+        p = max(p, rate_p(x, y, x.size / _design_effect(d, groups, n_boot, seed)))
     return p
-
-
-def _score_p(bounds, estimate: float) -> float:
-    """The smallest ``alpha`` at which ``bounds(1 - alpha)`` excludes 0 (1 when the estimate is 0).
-
-    ``bounds(level)`` is a score interval (Newcombe's, or its MOVER combination), nested in its level.
-    """
-    if estimate == 0:
-        return 1.0
-    lo, hi = 1e-12, 1.0 - 1e-12  # at level 1 - lo the interval holds 0; at level ~0 it is the point estimate
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        a, b = bounds(1 - mid)
-        lo, hi = (lo, mid) if (a > 0 or b < 0) else (mid, hi)
-    return hi
-
-
-def _rate_p(x: np.ndarray, y: np.ndarray, n_eff: float) -> float:
-    """:func:`_score_p` of Newcombe's interval for ``mean(x) - mean(y)``."""
-    return _score_p(lambda level: paired_rate_interval(x, y, n_eff=n_eff, level=level), x.mean() - y.mean())
 
 
 def paired_did(
@@ -450,7 +373,7 @@ def paired_did(
     ``b1[i]`` in one cell, ``a2[i]`` and ``b2[i]`` in another. The interval is the bootstrap of
     ``(a1 - b1) - (a2 - b2)``, resampled by cache, and its p :func:`paired_p`'s. For rates (0/1;
     by default when all four arrive boolean) the interval is widened to cover the MOVER combination
-    (Newcombe 2001) of the two differences' score intervals (:func:`paired_rate_interval`) at the
+    (Newcombe 2001) of the two differences' score intervals (:func:`kvlab.measure.scores.paired_rate_interval`) at the
     effective number of items, and p is at least the level at which that combination excludes 0.
     MOVER here treats the two differences as independent, which widens the interval when they
     are positively correlated (matched questions): conservative, never collapsed.
@@ -471,7 +394,7 @@ def paired_did(
     arrays = [a1, b1, a2, b2]
     if rates is None:
         rates = all(np.asarray(v).dtype == bool for v in arrays)
-    v1, w1, v2, w2 = (_values(v, name) for v, name in zip(arrays, ("a1", "b1", "a2", "b2"), strict=True))
+    v1, w1, v2, w2 = (finite_values(v, name) for v, name in zip(arrays, ("a1", "b1", "a2", "b2"), strict=True))
     if not v1.shape == w1.shape == v2.shape == w2.shape:
         raise StatsError(f"matched values need equal lengths, got {[v.size for v in (v1, w1, v2, w2)]}")
     d1, d2 = v1 - w1, v2 - w2
@@ -494,7 +417,7 @@ def paired_did(
 
     lo, hi = bounds(level)
     widened = CI(ci.mean, min(ci.lo, lo), max(ci.hi, hi), ci.n, level, ci.n_clusters)
-    return widened, max(p, _score_p(bounds, float(d1.mean() - d2.mean())))
+    return widened, max(p, score_p(bounds, float(d1.mean() - d2.mean())))
 
 
 def holm(pvalues) -> list[float]:
@@ -511,7 +434,7 @@ def holm(pvalues) -> list[float]:
         ``[m]`` adjusted p-values, same order: reject comparison ``i`` at level alpha when
         ``adjusted[i] <= alpha``; the family-wise error rate stays below alpha.
     """
-    p = _values(pvalues, "pvalues")
+    p = finite_values(pvalues, "pvalues")
     if np.any((p < 0) | (p > 1)):
         raise StatsError("p-values must lie in [0, 1]")
     m = p.size

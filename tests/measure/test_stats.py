@@ -7,6 +7,7 @@ import pytest
 
 from kvlab.errors import StatsError
 from kvlab.measure import stats
+from kvlab.measure.scores import paired_rate_interval
 from kvlab.measure.stats import (
     fmt_ci,
     gap_closed_ci,
@@ -16,7 +17,6 @@ from kvlab.measure.stats import (
     paired_diff_ci,
     paired_family,
     paired_p,
-    paired_rate_interval,
     proportion_ci,
 )
 
