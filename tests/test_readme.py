@@ -382,6 +382,27 @@ def test_notebook_06_numbers_on_the_page_are_its_stored_outputs():
     assert f"KL {req[1]} nats mean\n  (max {req[2]}, top-1 flips on {req[3]} of 5 probes)" in page
 
 
+def _quoted_lines_not_stored(section: str, stored: str) -> list[str]:
+    """Lines of the section's ``text`` block that are not lines of the stored outputs."""
+    block = section.split("```text\n", 1)[1].split("\n```", 1)[0]
+    have = {line.rstrip() for line in stored.splitlines()}
+    return [line for line in block.splitlines() if line.rstrip() not in have]
+
+
+def test_notebook_05_lines_on_the_page_are_its_stored_outputs():
+    # The page quoted an earlier, larger run of notebook 05 (493 tokens, every policy resolved):
+    # now it quotes the stored run's lines, each checked here, and nbval checks them against a run.
+    stored = _stored_text("05_fidelity_vs_cost.ipynb")
+    page = _section(ROOT / "results" / "README.md", "## Recompute policies (notebook 05)")
+    block = page.split("```text\n", 1)[1].split("\n```", 1)[0]
+    assert len(block.splitlines()) >= 20 and "Finding:" in block and "family:" in block
+    assert "[cost" not in block, "wall-time figures vary by machine; nbval ignores them, so the page leaves them out"
+    assert _quoted_lines_not_stored(page, stored) == []
+    # Teeth: one changed digit in a quoted line is caught.
+    altered = page.replace("0.4154 [", "0.4155 [", 1)
+    assert altered != page and _quoted_lines_not_stored(altered, stored) != []
+
+
 def test_attention_mass_tables_are_recomputed_from_the_committed_rows():
     # The SmolLM2 puzzle's experiment (d): the page prints studies/attention_mass.py --markdown.
     attention_mass = study_module("attention_mass")
