@@ -403,6 +403,64 @@ def test_notebook_05_lines_on_the_page_are_its_stored_outputs():
     assert altered != page and _quoted_lines_not_stored(altered, stored) != []
 
 
+_INTERVAL = re.compile(r"[+\-−]?\d+\.\d+%? \[[+\-−]?\d+\.\d+%?, [+\-−]?\d+\.\d+%?\]")
+
+
+def _intervals_not_in(section: str, table: str) -> list[str]:
+    """The ``mean [lo, hi]`` of ``section`` (prose included) that ``table`` does not print."""
+    have = {m.replace("−", "-") for m in _INTERVAL.findall(table)}
+    return [m for m in _INTERVAL.findall(section) if m.replace("−", "-") not in have]
+
+
+def test_a_quoted_interval_the_table_lacks_is_caught():
+    assert _intervals_not_in("we saw +0.12 [+0.05, +0.20] here", "| +0.12 [+0.05, +0.20] |") == []
+    assert _intervals_not_in("we saw +0.12 [+0.05, +0.21] here", "| +0.12 [+0.05, +0.20] |") == ["+0.12 [+0.05, +0.21]"]
+
+
+def test_the_certificate_table_is_the_committed_certificates():
+    # results/README.md's "Certificates" table is typed from results/certify/<model>.json: each
+    # measured cell must be what those certificates hold, at the digits the table prints.
+    page = _section(ROOT / "results" / "README.md", "## Certificates")
+    rows = {
+        line.split(" | ")[0].lstrip("| "): line.split(" | ")[1:3] for line in page.splitlines() if line.startswith("| ")
+    }
+    certs = {
+        m: json.loads((ROOT / "results" / "certify" / f"{m}.json").read_text()) for m in ("smollm2-135m", "gemma3-270m")
+    }
+
+    def values(model, check):
+        return [(line["scope"], line["value"]) for line in certs[model]["lines"] if line["check"] == check]
+
+    def by_layer(model, check):
+        got = values(model, check)
+        if len(got) == 1:
+            return f"{got[0][1]:.2f}"
+        return ", ".join(f"{scope.split('_')[0]} {v:.2f}" for scope, v in got)
+
+    def floor(model):
+        return "; ".join(
+            (f"{v:.1e}" if v else "0")
+            for v in (values(model, "floor: batch")[0][1], values(model, "floor: threads")[0][1])
+        )
+
+    def context(model):
+        return " / ".join(f"{v:.3f}" for _, v in values(model, "context error"))
+
+    want = {
+        "rotation": by_layer,
+        "rerotate phase": by_layer,
+        "floor: batch; threads (nats)": lambda m, _: floor(m),
+        "context error": lambda m, _: context(m),
+    }
+    for label, cell in want.items():
+        row = next(v for k, v in rows.items() if k.startswith(label))
+        for i, model in enumerate(certs):
+            assert row[i] == cell(model, label), (label, model, row[i], cell(model, label))
+    seconds = [round(certs[m]["seconds"]) for m in certs]
+    assert f"SmolLM2 in {seconds[0]} s and Gemma 3 in {seconds[1]} s" in page
+    assert all(c["passed"] for c in certs.values()) and page.count("**certified**") == 1
+
+
 def test_attention_mass_tables_are_recomputed_from_the_committed_rows():
     # The SmolLM2 puzzle's experiment (d): the page prints studies/attention_mass.py --markdown.
     attention_mass = study_module("attention_mass")
@@ -411,6 +469,7 @@ def test_attention_mass_tables_are_recomputed_from_the_committed_rows():
     rows = read_rows(ROOT / "results" / "attention_mass_smollm2-135m.csv")
     page = _section(ROOT / "results" / "README.md", "## Where the question looks")
     assert attention_mass.table(rows) in page, "regenerate: studies/attention_mass.py --markdown"
+    assert _intervals_not_in(page, attention_mass.table(rows)) == [], "the prose quotes only the table's intervals"
     assert len({r["set"] for r in rows}) == 10 and {r["n_fragments"] for r in rows} == {2, 4, 8}
     # Teeth: one question's mass moved changes what is printed.
     rows[0] = {**rows[0], "first_tokens": rows[0]["first_tokens"] + 0.5}
@@ -425,6 +484,7 @@ def test_merge_puzzle_tables_are_recomputed_from_the_committed_rows():
     rows = read_rows(ROOT / "results" / "merge_puzzle_smollm2-135m.csv")
     page = _section(ROOT / "results" / "README.md", "## Settling the SmolLM2 puzzle")
     assert study.table(rows) in page, "regenerate: studies/merge_puzzle.py --markdown"
+    assert _intervals_not_in(page, study.table(rows)) == [], "the prose quotes only the table's intervals"
     # The issue asks for 20 caches per count.
     assert {r["n_fragments"] for r in rows} == {2, 4, 8} and len({r["set"] for r in rows}) == 20
     # Teeth: one question's score changed changes what is printed.
