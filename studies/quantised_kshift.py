@@ -87,7 +87,7 @@ def paired_markdown(rows: list[dict], seed: int = 0) -> str:
         "| model | fragments | K cache − f16 | "
         + " | ".join(f"{label} (Holm p)" for _, label in COMPARISONS[:2])
         + " |",
-        "|---|---|---|---|---|",
+        "|" + "---|" * (3 + len(fams)),
     ]
     for i, what in enumerate(fams[COMPARISONS[0][0]]):
         cells = []

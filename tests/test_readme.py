@@ -382,11 +382,15 @@ def test_notebook_06_numbers_on_the_page_are_its_stored_outputs():
     assert f"KL {req[1]} nats mean\n  (max {req[2]}, top-1 flips on {req[3]} of 5 probes)" in page
 
 
+def _text_block(section: str) -> str:
+    """The section's first fenced ``text`` block."""
+    return section.split("```text\n", 1)[1].split("\n```", 1)[0]
+
+
 def _quoted_lines_not_stored(section: str, stored: str) -> list[str]:
     """Lines of the section's ``text`` block that are not lines of the stored outputs."""
-    block = section.split("```text\n", 1)[1].split("\n```", 1)[0]
     have = {line.rstrip() for line in stored.splitlines()}
-    return [line for line in block.splitlines() if line.rstrip() not in have]
+    return [line for line in _text_block(section).splitlines() if line.rstrip() not in have]
 
 
 def test_notebook_05_lines_on_the_page_are_its_stored_outputs():
@@ -394,7 +398,7 @@ def test_notebook_05_lines_on_the_page_are_its_stored_outputs():
     # now it quotes the stored run's lines, each checked here, and nbval checks them against a run.
     stored = _stored_text("05_fidelity_vs_cost.ipynb")
     page = _section(ROOT / "results" / "README.md", "## Recompute policies (notebook 05)")
-    block = page.split("```text\n", 1)[1].split("\n```", 1)[0]
+    block = _text_block(page)
     assert len(block.splitlines()) >= 20 and "Finding:" in block and "family:" in block
     assert "[cost" not in block, "wall-time figures vary by machine; nbval ignores them, so the page leaves them out"
     assert _quoted_lines_not_stored(page, stored) == []

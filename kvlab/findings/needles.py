@@ -133,15 +133,17 @@ def haystack_rows(
     for k, layout, s, (frags, probes) in caches:
         lands = landing_positions(frags)
         codes = list(s.facts["codes"].values())
+        # Per question once, not per strategy's row: the needle's place in the merge.
+        asked = {q.text: (q, needle_span(model, s, frags, q)[0]) for q in s.questions}
         got = ask(model, s, dict(merges), greedy_tokens=GREEDY, fragments=frags, probes=probes)
         got += [joined(r) for r in got if r["strategy"] == next(iter(merges))]
         for r in got:
-            q = next(q for q in s.questions if q.text == r["question"])
+            q, needle_at = asked[r["question"]]
             rows.append(
                 {"set": h, "n_fragments": k, "layout": layout, "depth": s.facts["depths"][q.subject]}
                 | r
                 | {
-                    "needle_at": needle_span(model, s, frags, q)[0],
+                    "needle_at": needle_at,
                     "total_tokens": lands[-1] + frags[-1].length,
                     "first_tokens": frags[0].length,
                     "captured": haystack.captured(r["answer"], q.answer, codes),
