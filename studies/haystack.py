@@ -8,8 +8,8 @@ passages of at most ``tokens`` tokens, each cached as one fragment, with invente
 (``"The vault code for <town> is <4 digits>."``) put between sentences.
 
 Design, named before the run. ``haystacks`` haystacks, each from its own stretch of the essays
-(haystack h starts at sentence ``h * kvlab.findings.needles.STRIDE`` of the seeded essay order; none
-overlaps another).
+(haystack h starts at sentence ``h * kvlab.findings.needles.stride(tokens)`` of the seeded essay
+order; none overlaps another).
 For each fragment count k in ``counts`` and each haystack:
 
 * **single**: one needle, at each depth in ``DEPTHS`` (0.1, 0.4, 0.6, 0.9 of the haystack: the
@@ -34,13 +34,18 @@ paired over the same questions:
 
     .venv/bin/python studies/haystack.py --model smollm2-135m [--haystacks 20] [--first-set 0]
     .venv/bin/python studies/haystack.py --model smollm2-135m --markdown   # tables from the committed rows
+    .venv/bin/python studies/haystack.py --model smollm2-135m --counts 8 --tokens 512   # the long design
 
-Writes ``results/haystack_<model>.csv`` (one row per question x strategy: the
+Writes ``results/haystack_<model>.csv`` at the default design (counts 2, 4, 8 at 192 tokens);
+any other design writes ``results/haystack_<counts>x<tokens>_<model>.csv`` (``haystack_8x512_...``),
+so each design's rows keep their own file and tables.
+
+Each rows file holds one row per question x strategy: the
 :func:`kvlab.findings.qa.ask` columns plus ``set`` (the haystack), ``n_fragments``, ``layout``,
 ``depth``, ``needle_at`` (the needle's first position in the merge, counted by the tokenizer on
 the text before it, so within a token or two at the joins), ``total_tokens``, ``first_tokens``,
 ``captured`` and ``ref_captured`` (the answer, and the joined prefill's, is another needle's
-code)) and ``.json`` (the run: arguments, wall time per haystack, command, CPU).
+code); a ``.json`` beside it records the run (arguments, wall time per haystack, command, CPU).
 """
 
 from __future__ import annotations
@@ -57,15 +62,25 @@ RESULTS = Path(__file__).resolve().parents[1] / "results"
 RATIO = 0.15
 
 
-def read_haystack(model, h: int, tokens: int, seed: int) -> list[dict]:
+def read_haystack(model, h: int, tokens: int, seed: int, counts: tuple[int, ...] = COUNTS) -> list[dict]:
     """Haystack ``h`` at every count and layout of the design, behind naive, rerotate and recompute."""
     merges = {k: v for k, v in longctx.default_strategies(RATIO, seed).items() if k != "reprefill"}
-    return haystack_rows(model, h, tokens, seed, merges, counts=COUNTS, depths=DEPTHS, multi_depths=MULTI_DEPTHS)
+    return haystack_rows(model, h, tokens, seed, merges, counts=counts, depths=DEPTHS, multi_depths=MULTI_DEPTHS)
+
+
+def rows_path(out: Path, model: str, counts: tuple[int, ...], tokens: int) -> Path:
+    """Where a design's rows go: ``haystack_<model>.csv`` at the default, ``haystack_<counts>x<tokens>_<model>.csv`` else."""
+    if tuple(counts) == COUNTS and tokens == 192:
+        return out / f"haystack_{model}.csv"
+    return out / f"haystack_{'-'.join(map(str, counts))}x{tokens}_{model}.csv"
 
 
 def main() -> None:
-    args = set_study_parser(__doc__, RESULTS, sets="haystacks", tokens=192).parse_args()
-    path = args.out / f"haystack_{args.model}.csv"
+    ap = set_study_parser(__doc__, RESULTS, sets="haystacks", tokens=192)
+    ap.add_argument("--counts", type=int, nargs="+", default=list(COUNTS), help="fragment counts, in order")
+    args = ap.parse_args()
+    counts = tuple(args.counts)
+    path = rows_path(args.out, args.model, counts, args.tokens)
     if args.markdown:
         print(markdown(read_rows(path, text=TEXT), args.model, args.seed))
         return
@@ -73,9 +88,9 @@ def main() -> None:
         "studies/haystack.py",
         path,
         args,
-        lambda model, h: read_haystack(model, h, args.tokens, args.seed),
+        lambda model, h: read_haystack(model, h, args.tokens, args.seed, counts),
         sets="haystacks",
-        counts=list(COUNTS),
+        counts=list(counts),
         depths=list(DEPTHS),
         multi_depths=list(MULTI_DEPTHS),
         essays=f"{haystack.PACKAGE}=={haystack.VERSION}",

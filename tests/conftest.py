@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -16,6 +17,17 @@ import torch
 import kvlab
 
 torch.manual_seed(0)
+
+#: A quoted interval, ``mean [lo, hi]``: each number signed (ASCII or U+2212 minus) or not, with
+#: decimals, e-notation or a percent sign; the three numbers are its groups.
+_NUMBER = r"[+\-−]?\d+(?:\.\d+)?(?:e[+-]?\d+)?%?"
+INTERVAL = re.compile(rf"({_NUMBER}) \[({_NUMBER}), ({_NUMBER})\]")
+
+
+def intervals(text: str) -> list[str]:
+    """Every interval ``text`` quotes, as printed, with U+2212 minus read as ``-`` (one wrapped across lines too)."""
+    return [m.group(0).replace("−", "-") for m in INTERVAL.finditer(" ".join(text.split()))]
+
 
 # tests/fixtures/ holds notebooks that tests run (kvlab sweep), not stored runs for nbval.
 collect_ignore_glob = ["fixtures/*"]

@@ -23,7 +23,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from conftest import study_module
+from conftest import intervals, study_module
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -407,13 +407,10 @@ def test_notebook_05_lines_on_the_page_are_its_stored_outputs():
     assert altered != page and _quoted_lines_not_stored(altered, stored) != []
 
 
-_INTERVAL = re.compile(r"[+\-−]?\d+\.\d+%? \[[+\-−]?\d+\.\d+%?, [+\-−]?\d+\.\d+%?\]")
-
-
 def _intervals_not_in(section: str, table: str) -> list[str]:
     """The ``mean [lo, hi]`` of ``section`` (prose included) that ``table`` does not print."""
-    have = {m.replace("−", "-") for m in _INTERVAL.findall(table)}
-    return [m for m in _INTERVAL.findall(section) if m.replace("−", "-") not in have]
+    have = set(intervals(table))
+    return [m for m in intervals(section) if m not in have]
 
 
 def test_a_quoted_interval_the_table_lacks_is_caught():
@@ -494,3 +491,24 @@ def test_merge_puzzle_tables_are_recomputed_from_the_committed_rows():
     # Teeth: one question's score changed changes what is printed.
     rows[0] = {**rows[0], "span_kl": rows[0]["span_kl"] + 0.5}
     assert study.table(rows) not in page
+
+
+def test_long_context_tables_and_prose_are_the_committed_records():
+    # The long-context study's section prints studies/long_context_table.py (from each model's
+    # JSON) and studies/long_context_strata.py (from the per-question rows); its prose quotes
+    # only intervals those tables print.
+    from kvlab.findings import strata
+
+    table = study_module("long_context_table")
+    page = _section(ROOT / "results" / "README.md", "## The long-context study")
+    printed = []
+    for model in ("smollm2-135m", "gemma3-270m"):
+        printed.append(table.table(str(ROOT / "results" / f"long_context_{model}.json")))
+        printed.append(strata.markdown(model, strata.read_rows(ROOT / "results" / f"long_context_{model}.csv")))
+        assert printed[-2] in page, "regenerate: studies/long_context_table.py results/long_context_*.json"
+        assert printed[-1] in page, "regenerate: studies/long_context_strata.py"
+    missing = _intervals_not_in(page, "\n".join(printed))
+    assert missing == [], f"the prose quotes intervals no table prints: {missing}"
+    # Teeth: an interval typed into the prose by hand is caught.
+    typed = page.replace("## The long-context study", "## The long-context study\n\nnaive +0.123 [+0.101, +0.145]")
+    assert _intervals_not_in(typed, "\n".join(printed)) == ["+0.123 [+0.101, +0.145]"]

@@ -20,8 +20,12 @@ from kvlab.findings.evalset import EvalSet, Names, contains
 from kvlab.findings.qa import ask, passage_fragments
 from kvlab.models.loaded import LoadedModel
 
-#: Sentences per haystack: haystack h starts at sentence h * STRIDE (the largest, 8 x 192 tokens, uses about 70).
+#: Sentences per haystack at budgets up to 192 tokens: haystack h starts at sentence h * STRIDE
+#: (the largest, 8 x 192 tokens, uses about 70).
 STRIDE = 200
+#: Sentences per haystack at longer budgets: 8 x 512 tokens uses at most 224 of them (haystacks
+#: 0-19, both models' tokenizers); 20 such stretches take 6400 of the essays' 6664 sentences.
+LONG_STRIDE = 320
 #: Tokens of the greedy answer scored by exact match.
 GREEDY = 5
 
@@ -47,6 +51,11 @@ def joined(row: dict) -> dict:
     }
 
 
+def stride(tokens: int) -> int:
+    """Sentences between one haystack's first sentence and the next's, for a fragment budget of ``tokens``."""
+    return STRIDE if tokens <= 192 else LONG_STRIDE
+
+
 def haystack_caches(
     model: LoadedModel,
     h: int,
@@ -69,13 +78,14 @@ def haystack_caches(
     count = longctx.token_counter(model)
     rng = random.Random(f"haystack {seed} {h}")
     names = Names(rng)  # one per haystack: every needle of it has its own town
-    start = h * STRIDE
+    span = stride(tokens)
+    start = h * span
     for k in counts:
         layouts = [("single", (d,)) for d in depths] + ([("multi", tuple(multi_depths))] if multi_depths else [])
         for layout, at in layouts:
             s, end = haystack.haystack_set(sents, start, k, tokens, at, count, rng, names, seed)
-            if end > start + STRIDE:
-                raise RuntimeError(f"haystack {h} runs past its stretch ({end - start} > {STRIDE} sentences)")
+            if end > start + span:
+                raise RuntimeError(f"haystack {h} runs past its stretch ({end - start} > {span} sentences)")
             yield k, layout, s, passage_fragments(model, s)
 
 

@@ -57,7 +57,7 @@ def _series(rows, k: int, arm, keep, measure: str) -> dict[tuple[int, int], floa
     for r in rows:
         if r["n_fragments"] == k and keep(r):
             # Questions are paired across orders by the passage and kind they ask about.
-            index[r["set"], r["answer_passage"], r["kind"], r["order"], r["arm"]] = float(r[measure])
+            index[r["set"], r["answer_passage"], r["kind"], r["order"], r["arm"]] = r[measure]
     out = {}
     for (s, p, kind, order, name), v in index.items():
         if order == order_a and name == a:

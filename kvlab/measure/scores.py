@@ -5,8 +5,7 @@ when no pair disagrees. :func:`kvlab.measure.stats.paired_diff_ci` (and ``paired
 to cover Newcombe's score interval for paired proportions at the effective number of pairs,
 computed here (:func:`paired_rate_interval`), and ``paired_p`` is at least the level at which
 that interval first excludes 0 (:func:`rate_p`, through :func:`score_p`). Nothing here
-resamples; :func:`finite_values` is the check every statistic's input passes. Rationale:
-docs/statistics.md.
+resamples. Rationale: docs/statistics.md.
 """
 
 from __future__ import annotations
@@ -14,16 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvlab.errors import StatsError
-
-
-def finite_values(x, name: str) -> np.ndarray:
-    """``x`` as a flat float64 array; :class:`~kvlab.errors.StatsError` naming ``name`` when empty or not finite."""
-    a = np.asarray(x, dtype=np.float64).ravel()
-    if a.size == 0:
-        raise StatsError(f"{name} is empty: a mean needs at least one value")
-    if not np.all(np.isfinite(a)):
-        raise StatsError(f"{name} holds {int((~np.isfinite(a)).sum())} non-finite value(s); drop or explain them first")
-    return a
+from kvlab.measure.values import finite_values
 
 
 def paired_rate_interval(a, b, *, n_eff: float | None = None, level: float = 0.95) -> tuple[float, float]:

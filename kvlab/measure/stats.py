@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvlab.errors import StatsError
-from kvlab.measure.scores import finite_values, paired_rate_interval, rate_p, score_p
+from kvlab.measure.scores import paired_rate_interval, rate_p, score_p
+from kvlab.measure.values import are_rates, finite_values
 
 #: Bootstrap resamples unless told otherwise.
 N_BOOT = 2000
@@ -227,11 +228,11 @@ def paired_diff_ci(
         As for :func:`mean_ci` (sensitivity only).
     rates : bool, optional
         Whether ``a`` and ``b`` are 0/1 outcomes. Default: when both arrive as booleans (rows
-        read back by :func:`kvlab.findings.rows.read_rows` keep exact match boolean).
+        read back by :func:`kvlab.findings.rows.read_rows` keep exact match boolean); 0/1 values of
+        another dtype raise :class:`StatsError` unless ``rates`` names them.
     """
     _check(n_boot, level)
-    if rates is None:
-        rates = np.asarray(a).dtype == bool and np.asarray(b).dtype == bool
+    rates = are_rates(rates, (a, b))
     x, y = finite_values(a, "a"), finite_values(b, "b")
     if x.shape != y.shape:
         raise StatsError(f"paired values need equal lengths, got {x.size} and {y.size}")
@@ -338,8 +339,7 @@ def paired_p(a, b, *, clusters=None, n_boot: int = N_BOOT, seed: int = 0, rates:
     interval first excludes 0, so a difference of rates whose :func:`paired_diff_ci` interval
     holds 0 is not called resolved by its p either.
     """
-    if rates is None:
-        rates = np.asarray(a).dtype == bool and np.asarray(b).dtype == bool
+    rates = are_rates(rates, (a, b))
     x, y = finite_values(a, "a"), finite_values(b, "b")
     if x.shape != y.shape:
         raise StatsError(f"paired values need equal lengths, got {x.size} and {y.size}")
@@ -392,8 +392,7 @@ def paired_did(
     """
     _check(n_boot, level)
     arrays = [a1, b1, a2, b2]
-    if rates is None:
-        rates = all(np.asarray(v).dtype == bool for v in arrays)
+    rates = are_rates(rates, arrays)
     v1, w1, v2, w2 = (finite_values(v, name) for v, name in zip(arrays, ("a1", "b1", "a2", "b2"), strict=True))
     if not v1.shape == w1.shape == v2.shape == w2.shape:
         raise StatsError(f"matched values need equal lengths, got {[v.size for v in (v1, w1, v2, w2)]}")

@@ -160,3 +160,35 @@ def test_a_needles_span_in_the_merge_holds_its_tokens_and_caches_repeat_by_prefi
             # The whole needle, its town and its code, lies in the span, and nothing of the next one.
             assert q.subject in text and q.answer in text, (text, q.subject, q.answer)
             assert end - first <= len(model.tokenizer(haystack.needle(q.subject, q.answer))["input_ids"]) + 1
+
+
+def test_the_sections_prose_quotes_only_its_tables():
+    from conftest import intervals
+    from kvlab.findings.haystack_table import TEXT, markdown
+    from kvlab.findings.rows import read_rows
+
+    page = (ROOT / "results" / "README.md").read_text()
+    start = page.index("## Text nobody here wrote: needles in essays")
+    section = page[start : page.find("\n## ", start + 1)]
+    paths = sorted((ROOT / "results").glob("haystack_*.csv"))
+    printed = set(intervals("\n".join(markdown(read_rows(p, text=TEXT), p.stem.split("_")[-1]) for p in paths)))
+    quoted = intervals(section)
+    assert len(paths) >= 2 and len(quoted) > 100, "the section prints every haystack design's tables"
+    assert [q for q in quoted if q not in printed] == [], "the prose quotes only intervals its tables print"
+
+
+@pytest.mark.real
+def test_long_haystacks_keep_to_their_own_stretch_of_the_essays(monkeypatch):
+    import kvlab
+    from kvlab.findings import needles
+
+    # 20 haystacks of 8 x 512 tokens fit the essays side by side; at 192 tokens the stride is the committed one.
+    assert needles.stride(192) == needles.STRIDE == 200
+    assert 20 * needles.stride(512) <= len(haystack.corpus(0))
+    model = kvlab.load_model("smollm2-135m")
+    caches = list(needles.haystack_caches(model, 19, 512, 0, counts=(8,), depths=(0.9,)))
+    assert sum(len(p.split()) for p in caches[0][2].passages) > 8 * 300  # about 512 tokens a fragment
+    # Teeth: a stretch too short for the haystack is refused, not silently shared with the next one.
+    monkeypatch.setattr(needles, "LONG_STRIDE", 150)
+    with pytest.raises(RuntimeError, match="runs past its stretch"):
+        list(needles.haystack_caches(model, 0, 512, 0, counts=(8,), depths=(0.9,)))

@@ -7,12 +7,11 @@ it prints, with an interval of ``results/llama_cpp_gemma3-270m.json`` (``studies
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
+from conftest import INTERVAL
+
 ROOT = Path(__file__).resolve().parents[2]
-NUMBER = r"[+-]?\d+(?:\.\d+)?(?:e[+-]?\d+)?"
-INTERVAL = re.compile(rf"({NUMBER}) \[({NUMBER}), ({NUMBER})\]")
 
 
 def subsection() -> str:

@@ -13,15 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import study_module
+from conftest import INTERVAL, intervals, study_module
 
 ROOT = Path(__file__).resolve().parents[2]
 HEADING = "## The dose-response of a naive merge"
-INTERVAL = re.compile(r"[+\-−]?\d+\.\d+ \[[+\-−]?\d+\.\d+, [+\-−]?\d+\.\d+\]")
-
-
-def intervals(text: str) -> list[str]:
-    return [m.replace("−", "-") for m in INTERVAL.findall(text)]
 
 
 def section(heading: str = HEADING) -> str:
@@ -55,7 +50,7 @@ def test_every_interval_in_the_section_is_recomputed(table):
 
 def test_an_altered_number_fails(table):
     text = section()
-    for found in INTERVAL.findall(text):
+    for found in intervals(text):
         digit = re.search(r"(\d)(?= \[)", found)
         bumped = found[: digit.start()] + str((int(digit.group(1)) + 1) % 10) + found[digit.end() :]
         if intervals(bumped)[0] not in intervals(table):

@@ -110,3 +110,25 @@ def test_deviation_spends_much_of_a_small_budget_where_fragment_start_spends_nea
 
     # The README's reason for the second follow-up: at the smallest ratio both sit largely at the start.
     assert first_tenth("deviation") > 0.4 and first_tenth("fragment_start") > 0.9
+
+
+def test_the_sections_prose_quotes_only_its_tables(study):
+    from conftest import intervals
+    from kvlab.findings.rows import read_rows
+
+    page = (ROOT / "results" / "README.md").read_text()
+    start = page.index("## Recompute inside Gemma 3's window")
+    section = page[start : page.find("\n## ", start + 1)]
+    tables = []
+    for model in MODELS:
+        tables.append(study.markdown(rows("recompute_window", model), model))
+        tables.append(
+            study.selection_markdown(read_rows(ROOT / "results" / f"recompute_window_selection_{model}.csv"), model)
+        )
+        tables.append(
+            study.markdown(rows("recompute_window_fragment_start", model), model, policies=("fragment_start",))
+        )
+    printed = set(intervals("\n".join(tables)))
+    quoted = intervals(section)
+    assert len(quoted) > len(MODELS) * 10, "the section prints its tables"
+    assert [q for q in quoted if q not in printed] == [], "the prose quotes only intervals its tables print"

@@ -215,8 +215,16 @@ def test_a_paired_difference_of_rates_is_newcombes_interval_and_never_collapses(
     assert (alone.lo, alone.hi) == (0.0, 0.0)
     d = paired_diff_ci(same, same, clusters=caches)
     assert d.lo < -0.03 and d.hi > 0.03 and not d.excludes(0.0) and d.n_clusters == 12
-    # Booleans are rates by default; floats are not, unless told; other values are refused.
+    # Booleans are rates by default; 0/1 of another dtype must be named (read as measurements they
+    # collapsed to [0, 0] silently); other values are refused as rates.
     assert paired_diff_ci(same * 1.0, same * 1.0, clusters=caches, rates=True) == d
+    for call in (paired_diff_ci, paired_p):
+        with pytest.raises(StatsError, match="rates=True"):
+            call(same * 1.0, same * 1, clusters=caches)
+    with pytest.raises(StatsError, match="rates=True"):
+        paired_did(same * 1, same * 1, same * 1, same * 1, clusters=caches)
+    assert paired_diff_ci(same * 1.0, same * 1.0, clusters=caches, rates=False) == alone
+    assert paired_diff_ci(same * 1.0 + 0.5, same * 1.0, clusters=caches).mean == 0.5  # measurements pass
     with pytest.raises(StatsError, match="0/1"):
         paired_diff_ci([0.5, 1.0], [0.0, 1.0], rates=True)
     # Clustered rates count for fewer pairs: wider than the items-alone score interval.
