@@ -265,6 +265,7 @@ def test_foreign_reader_tables_are_recomputed_from_the_committed_rows(tmp_path):
     page = _section(ROOT / "results" / "README.md", "## Foreign readers (notebook 03)")
     printed = readers.committed_markdown(ROOT / "results", ("smollm2-135m", "gemma3-270m"))
     assert printed.count("#### ") == 2 and printed.strip() in page, "regenerate: studies/foreign_readers.py --markdown"
+    assert _intervals_not_in(page, printed) == [], "the prose quotes only the tables' intervals"
     # Teeth: one question's score changed in a copy of the rows changes what is printed.
     for suffix in ("csv", "json"):
         src = readers.committed_path(ROOT / "results", "smollm2-135m", suffix)
