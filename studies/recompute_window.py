@@ -43,21 +43,37 @@ it does not, ``deviation``'s cost lies in which tokens it ranks first, not in wh
 The same caches, ``rerotate`` and ``fragment_start`` at every ratio; the family per model is
 ``fragment_start r=<r> - rerotate`` in answer-span KL (4 comparisons, Holm).
 
+Third follow-up, named after the second and before its own run (``--policy past_start``): half of
+``deviation``'s r = 0.05 budget sits in the later fragment's first tenth, and the start alone does
+not cost, so the suspects are its other picks. ``deviation_past_start`` ranks by ``deviation`` but
+only past each later fragment's first tenth; ``random_past_start`` draws at random from the same
+tokens (both capped at how many there are). If ``deviation``'s cost on Gemma 3 lies in the tokens
+it ranks first past the start, ``deviation_past_start`` costs at small r and ``random_past_start``
+does not; if it needs the start and those tokens recomputed together, neither costs. The same
+caches, ``rerotate`` and both arms at every ratio; the family per model is ``<arm> r=<r> -
+rerotate`` in answer-span KL (8 comparisons, Holm), SmolLM2 again the contrast.
+
     .venv/bin/python studies/recompute_window.py --model gemma3-270m [--haystacks 20]
     .venv/bin/python studies/recompute_window.py --model gemma3-270m --markdown   # tables from the committed rows
     .venv/bin/python studies/recompute_window.py --model gemma3-270m --selection [--markdown]
     .venv/bin/python studies/recompute_window.py --model gemma3-270m --policy fragment_start [--markdown]
+    .venv/bin/python studies/recompute_window.py --model gemma3-270m --policy past_start [--markdown]
 
 Writes ``results/recompute_window_<model>.csv`` (the haystack study's columns) and ``.json`` (the
 run); ``--selection`` writes ``results/recompute_window_selection_<model>.csv`` and ``.json``,
-``--policy fragment_start`` ``results/recompute_window_fragment_start_<model>.csv`` and ``.json``.
+``--policy fragment_start`` ``results/recompute_window_fragment_start_<model>.csv`` and ``.json``,
+``--policy past_start`` ``results/recompute_window_past_start_<model>.csv`` and ``.json``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from kvlab.cache.merge import landing_positions
+from kvlab.cache.recompute.select import key_deviation
 from kvlab.cache.recompute.strategy import Recompute
 from kvlab.cache.strategies import Rerotate
 from kvlab.findings import longctx
@@ -73,6 +89,33 @@ RATIOS = (0.05, 0.15, 0.3, 0.45)
 POLICIES = ("deviation", "random_later")
 #: The follow-up's selections: the two of the run, and the first tokens of the later fragment.
 SELECTIONS = ("deviation", "random_later", "fragment_start")
+#: The third follow-up's arms, each a base policy kept past the later fragments' first tenth.
+PAST_START = {"deviation_past_start": "deviation", "random_past_start": "random_later"}
+#: The follow-up runs (``--policy``) and the arms each reads.
+FOLLOW_UPS = {"fragment_start": ("fragment_start",), "past_start": tuple(PAST_START)}
+
+
+@dataclass
+class PastStart(Recompute):
+    """Recompute whose budget goes only past each later fragment's first tenth.
+
+    ``policy`` ``deviation`` ranks those tokens by key deviation, ``random_later`` draws them at
+    random (seeded); the budget is capped at how many there are.
+    """
+
+    def select_tokens(self, decoder, merged) -> torch.Tensor:
+        """``[min(round(ratio * N), allowed)]`` int64 merged positions, ascending, none in a later fragment's start."""
+        allowed = torch.zeros(decoder.total, dtype=torch.bool)
+        allowed[decoder.later :] = True
+        for f, land in zip(decoder.fragments[1:], decoder.landings[1:], strict=True):
+            allowed[land : land + -(-f.length // 10)] = False
+        if self.policy == "deviation":
+            score = key_deviation(decoder, merged, self._check_layer(decoder, merged)).cpu().double()
+        else:
+            score = torch.rand(decoder.total, generator=torch.Generator().manual_seed(self.seed), dtype=torch.double)
+        score[~allowed] = float("-inf")
+        k = min(self.budget(decoder.total), int(allowed.sum()))
+        return torch.topk(score, k).indices.sort().values
 
 
 def label(policy: str, r: float) -> str:
@@ -85,7 +128,10 @@ def merges(seed: int, policies: tuple[str, ...] = POLICIES) -> dict:
     out = {"rerotate": Rerotate()}
     for policy in policies:
         for r in RATIOS:
-            out[label(policy, r)] = Recompute(ratio=r, policy=policy, seed=seed)
+            if policy in PAST_START:
+                out[label(policy, r)] = PastStart(ratio=r, policy=PAST_START[policy], seed=seed)
+            else:
+                out[label(policy, r)] = Recompute(ratio=r, policy=policy, seed=seed)
     return out
 
 
@@ -212,11 +258,9 @@ def selection_markdown(rows: list[dict], model: str, seed: int = 0) -> str:
 def main() -> None:
     ap = set_study_parser(__doc__, RESULTS, sets="haystacks", tokens=192)
     ap.add_argument("--selection", action="store_true", help="the follow-up: where each selection's tokens sit")
-    ap.add_argument(
-        "--policy", choices=("fragment_start",), help="the second follow-up: read this selection's arms alone"
-    )
+    ap.add_argument("--policy", choices=tuple(FOLLOW_UPS), help="a later follow-up: read its selections' arms alone")
     args = ap.parse_args()
-    policies = (args.policy,) if args.policy else POLICIES
+    policies = FOLLOW_UPS[args.policy] if args.policy else POLICIES
     if args.selection:
         path = args.out / f"recompute_window_selection_{args.model}.csv"
         if args.markdown:

@@ -132,3 +132,31 @@ def test_the_sections_prose_quotes_only_its_tables(study):
     quoted = intervals(section)
     assert len(quoted) > len(MODELS) * 10, "the section prints its tables"
     assert [q for q in quoted if q not in printed] == [], "the prose quotes only intervals its tables print"
+
+
+@pytest.mark.parametrize("base", ["deviation", "random_later"])
+def test_past_start_spends_its_budget_only_past_each_later_fragments_first_tenth(study, base):
+    import kvlab
+    from conftest import tiny
+    from kvlab.cache.recompute.decoder import Decoder
+    from kvlab.cache.recompute.select import key_deviation
+
+    m = tiny("tiny-llama")
+    words = "keys carry the phase of the place where they were computed".split()
+    fs = [kvlab.prefill(m, " ".join(words[i % len(words)] for i in range(n))) for n in (25, 35, 18)]
+    lands = kvlab.landing_positions(fs)
+    total = lands[-1] + fs[-1].length
+    start = {p for f, land in zip(fs[1:], lands[1:]) for p in range(land, land + -(-f.length // 10))}
+    allowed = [p for p in range(lands[1], total) if p not in start]
+    for r in (0.1, 0.3, 0.9):
+        chosen = study.PastStart(ratio=r, policy=base, seed=0).select(fs, lands, m).tolist()
+        assert chosen == sorted(set(chosen)) and len(chosen) == min(round(r * total), len(allowed))
+        assert set(chosen) <= set(allowed)  # none in fragment 0, none in a later fragment's start
+    # The deviation arm keeps deviation's own order among the allowed tokens.
+    if base == "deviation":
+        dev = key_deviation(Decoder.of(m, fs, lands), kvlab.merge(fs, "rerotate", m), 1)
+        top = sorted(allowed, key=lambda p: -float(dev[p]))[: round(0.1 * total)]
+        assert study.PastStart(ratio=0.1, policy=base).select(fs, lands, m).tolist() == sorted(top)
+        # Teeth: plain deviation spends part of the same budget in a start or fragment 0.
+        plain = kvlab.Recompute(ratio=0.3).select(fs, lands, m).tolist()
+        assert set(plain) - set(allowed)
