@@ -16,6 +16,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -513,3 +514,23 @@ def test_long_context_tables_and_prose_are_the_committed_records():
     # Teeth: an interval typed into the prose by hand is caught.
     typed = page.replace("## The long-context study", "## The long-context study\n\nnaive +0.123 [+0.101, +0.145]")
     assert _intervals_not_in(typed, "\n".join(printed)) == ["+0.123 [+0.101, +0.145]"]
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m", "gemma3-270m"])
+def test_long_context_records_are_what_their_rows_give(model, tmp_path):
+    # The tables above print each model's JSON summary; summarised again from the committed
+    # per-question rows (studies/long_context.py --resummarize), it prints the same.
+    long_context, table = study_module("long_context"), study_module("long_context_table")
+    for suffix in ("csv", "json"):
+        shutil.copy(ROOT / "results" / f"long_context_{model}.{suffix}", tmp_path)
+    long_context.resummarize(tmp_path, model)
+    committed = table.table(str(ROOT / "results" / f"long_context_{model}.json"))
+    assert table.table(str(tmp_path / f"long_context_{model}.json")) == committed
+    # Teeth: one question's score changed in the rows changes what is printed.
+    path = tmp_path / f"long_context_{model}.csv"
+    lines = path.read_text().splitlines()
+    head, cells = lines[0].split(","), lines[1].split(",")
+    cells[head.index("span_kl")] = "9.5"
+    path.write_text("\n".join([lines[0], ",".join(cells), *lines[2:]]) + "\n")
+    long_context.resummarize(tmp_path, model)
+    assert table.table(str(tmp_path / f"long_context_{model}.json")) != committed
