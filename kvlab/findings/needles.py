@@ -23,7 +23,7 @@ from kvlab.models.loaded import LoadedModel
 #: Sentences per haystack at budgets up to 192 tokens: haystack h starts at sentence h * STRIDE
 #: (the largest, 8 x 192 tokens, uses about 70).
 STRIDE = 200
-#: Sentences per haystack at longer budgets: 8 x 512 tokens uses at most 224 of them (haystacks
+#: Sentences per haystack at longer budgets: 8 x 512 tokens uses at most 226 of them (haystacks
 #: 0-19, both models' tokenizers); 20 such stretches take 6400 of the essays' 6664 sentences.
 LONG_STRIDE = 320
 #: Tokens of the greedy answer scored by exact match.

@@ -3,7 +3,7 @@
 Every number is computed here from the per-question rows the long-context study committed
 (``results/long_context_<model>.csv``), the puzzle study's
 (``results/merge_puzzle_smollm2-135m.csv``), the haystack study's
-(``results/haystack_<model>.csv``) and the naive-dose sweep's
+(``results/haystack_<model>.csv``, and ``haystack_8x512_<model>.csv`` at 8 x 512) and the naive-dose sweep's
 (``results/naive_dose/rows_<model>.csv``), with kvlab's cluster bootstrap over caches; nothing is
 typed in. ``studies/summary.py`` writes the page, and a test checks the committed page is what
 :func:`render` prints.
@@ -79,6 +79,10 @@ def render(results: str | Path) -> str:
         m: gap_closed(rs, RECOMPUTE, "rerotate", where={"n_fragments": hk, "layout": "single"}) for m, rs in hay.items()
     }
     hay_tokens = json.loads((results / f"haystack_{s}.json").read_text())["tokens"]
+    # The same haystack design at the generated set's longest merge, 8 fragments of <=512 tokens.
+    long = {m: read_study_rows(results / f"haystack_8x512_{m}.csv", text=haystack_table.TEXT) for m in MODELS}
+    long_fam = {m: {r["label"]: r for r in haystack_table.family(rs)} for m, rs in long.items()}
+    long_n = {m: len({r["set"] for r in rs}) for m, rs in long.items()}
     # The recompute-window study: the same 2-fragment essay caches, deviation's selection against a random one.
     win = read_study_rows(results / f"recompute_window_{g}.csv", text=haystack_table.TEXT)
     win_d = {}
@@ -86,11 +90,24 @@ def render(results: str | Path) -> str:
         x, y, labels = pairs(win, arm, "rerotate", "span_kl", None, cluster=haystack_table.CLUSTER)
         win_d[arm] = paired_diff_ci(x, y, clusters=labels)
 
-    def h(m, what, spec, k=None):
-        r = hay_fam[m][what.format(k=k or hk)]
+    def h(m, what, spec, k=None, fam=hay_fam):
+        r = fam[m][what.format(k=k or hk)]
         return (
             f"{fmt_ci(r['ci'], spec)} ({r['ci'].n_clusters} haystacks, {r['ci'].n} questions; Holm p {r['p_holm']:.3f})"
         )
+
+    def hay_em(rs: list[dict], k: int, strategy: str = "reprefill"):
+        ref = [r for r in rs if r["strategy"] == strategy and r["layout"] == "single" and r["n_fragments"] == k]
+        return fmt_ci(proportion_ci([r["em"] for r in ref], clusters=[r["set"] for r in ref]), ".2f")
+
+    long_kl = long_fam[s][HAY_KL.format(k=8)]
+    long_sign = (
+        "naive stays closer to the joined prefill"
+        if long_kl["p_holm"] <= 0.05 and long_kl["ci"].mean < 0
+        else "rerotate is closer to the joined prefill there"
+        if long_kl["p_holm"] <= 0.05
+        else "neither is resolved closer"
+    )
 
     findings = [
         (
@@ -180,8 +197,9 @@ def render(results: str | Path) -> str:
         f"people, towns, ships and years, {len(counts)} fragment counts ({', '.join(map(str, counts))}) of ≤512 "
         "tokens, 20 independent caches per count. The [haystack study](README.md#text-nobody-here-wrote-needles-in-"
         f"essays) reads text nobody here wrote: {hay_n[s]} haystacks of Paul Graham's essays per model (the text of "
-        f"the field's needle-in-a-haystack tests), at {', '.join(map(str, hay_counts))} fragments of ≤{hay_tokens} tokens, "
-        "with invented needles. It is shorter than the generated set's merges.",
+        f"the field's needle-in-a-haystack tests), at {', '.join(map(str, hay_counts))} fragments of ≤{hay_tokens} tokens "
+        f"and at 8 fragments of ≤512 (the generated set's longest merge; {long_n[s]} haystacks per model), with "
+        "invented needles.",
         "* **A reference that is often wrong:** the joined prefill is the exact result a merge is compared with, "
         "and it answers many questions wrong (finding 5).",
         "* **One fine-tune run:** the foreign-reader and fine-tune dose findings rest on a single fine-tuning run.",
@@ -234,8 +252,12 @@ def render(results: str | Path) -> str:
         f"(finding 3), and the SmolLM2 puzzle's sign holds: naive − "
         f"rerotate answer-span KL at {hk} × {hay_tokens} {h(s, HAY_KL, '+.3f')}, while exact match does not "
         f"separate them ({h(s, HAY_EM, '+.2f')}) "
-        "([README.md](README.md#text-nobody-here-wrote-needles-in-essays)). Open: essay merges as long as the "
-        "generated set's (8 × 512), needles hidden among sentences like them, and a model of production size.",
+        "([README.md](README.md#text-nobody-here-wrote-needles-in-essays)). At 8 × 512, the generated set's longest "
+        f"merge, SmolLM2's joined prefill finds {hay_em(long[s], 8)} of the single needles (at {hk} × "
+        f"{hay_tokens}: {hay_em(hay[s], hk)}) and {long_sign}: naive − rerotate answer-span KL "
+        f"{h(s, HAY_KL, '+.3f', 8, long_fam)}; Gemma 3's naive merge finds "
+        f"{hay_em(long[g], 8, 'naive')} of them (naive − rerotate, {h(g, HAY_EM, '+.2f', 8, long_fam)}). "
+        "Open: needles hidden among sentences like them, and a model of production size.",
         "",
     ]
     return "\n".join(out)

@@ -3,6 +3,7 @@ and the study's reprefill rows are what a real reprefill reads."""
 
 from __future__ import annotations
 
+import json
 import random
 from importlib import metadata
 from pathlib import Path
@@ -119,18 +120,23 @@ def test_the_studys_reprefill_rows_are_what_a_reprefill_merge_reads():
 
 
 @pytest.mark.parametrize("model", ["smollm2-135m", "gemma3-270m"])
-def test_the_readme_section_is_printed_from_the_committed_rows(model):
+@pytest.mark.parametrize("design", ["", "8x512_"])
+def test_the_readme_section_is_printed_from_the_committed_rows(model, design):
     from kvlab.findings.haystack_table import COUNTS, TEXT, markdown
     from kvlab.findings.rows import read_rows
 
-    rows = read_rows(ROOT / "results" / f"haystack_{model}.csv", text=TEXT)
+    rows = read_rows(ROOT / "results" / f"haystack_{design}{model}.csv", text=TEXT)
     page = (ROOT / "results" / "README.md").read_text()
     start = page.index("## Text nobody here wrote: needles in essays")
     section = page[start : page.find("\n## ", start + 1)]
     printed = markdown(rows, model)
-    assert printed in section, f"regenerate: .venv/bin/python studies/haystack.py --model {model} --markdown"
+    args = " --counts 8 --tokens 512" if design else ""
+    assert printed in section, f"regenerate: .venv/bin/python studies/haystack.py --model {model}{args} --markdown"
     # The design the study named: 20 haystacks at every count, four strategies on every question.
-    assert len({r["set"] for r in rows}) == 20 and {r["n_fragments"] for r in rows} == set(COUNTS)
+    run = json.loads((ROOT / "results" / f"haystack_{design}{model}.json").read_text())
+    counts, tokens = ((8,), 512) if design else (COUNTS, 192)
+    assert (tuple(run["counts"]), run["tokens"]) == (counts, tokens)
+    assert len({r["set"] for r in rows}) == 20 and {r["n_fragments"] for r in rows} == set(counts)
     per = {}
     for r in rows:
         per.setdefault((r["set"], r["n_fragments"], r["question"]), set()).add(r["strategy"])
