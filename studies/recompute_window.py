@@ -53,6 +53,14 @@ does not; if it needs the start and those tokens recomputed together, neither co
 caches, ``rerotate`` and both arms at every ratio; the family per model is ``<arm> r=<r> -
 rerotate`` in answer-span KL (8 comparisons, Holm), SmolLM2 again the contrast.
 
+Named after that run (on Gemma 3 ``deviation_past_start`` cost at r = 0.05 and 0.15, the random
+draw at no ratio) and before its own: the selection probe (``--selection``) adds the two past-start
+selections and two classes of token, punctuation alone and the token after a sentence's end
+(candidates for tokens whose keys are unlike their neighbours'). The comparisons:
+``deviation_past_start - random_past_start`` in each class's share of the chosen tokens, at r =
+0.05 and 0.15 (4 per model, Holm). A difference describes what deviation picks; it does not show
+that the class is what costs.
+
     .venv/bin/python studies/recompute_window.py --model gemma3-270m [--haystacks 20]
     .venv/bin/python studies/recompute_window.py --model gemma3-270m --markdown   # tables from the committed rows
     .venv/bin/python studies/recompute_window.py --model gemma3-270m --selection [--markdown]
@@ -87,10 +95,11 @@ RESULTS = Path(__file__).resolve().parents[1] / "results"
 COUNT = 2
 RATIOS = (0.05, 0.15, 0.3, 0.45)
 POLICIES = ("deviation", "random_later")
-#: The follow-up's selections: the two of the run, and the first tokens of the later fragment.
-SELECTIONS = ("deviation", "random_later", "fragment_start")
 #: The third follow-up's arms, each a base policy kept past the later fragments' first tenth.
 PAST_START = {"deviation_past_start": "deviation", "random_past_start": "random_later"}
+#: The selection probe's selections: the two of the run, the first tokens of the later fragment,
+#: and the third follow-up's two (added with it).
+SELECTIONS = ("deviation", "random_later", "fragment_start", *PAST_START)
 #: The follow-up runs (``--policy``) and the arms each reads.
 FOLLOW_UPS = {"fragment_start": ("fragment_start",), "past_start": tuple(PAST_START)}
 
@@ -128,11 +137,15 @@ def merges(seed: int, policies: tuple[str, ...] = POLICIES) -> dict:
     out = {"rerotate": Rerotate()}
     for policy in policies:
         for r in RATIOS:
-            if policy in PAST_START:
-                out[label(policy, r)] = PastStart(ratio=r, policy=PAST_START[policy], seed=seed)
-            else:
-                out[label(policy, r)] = Recompute(ratio=r, policy=policy, seed=seed)
+            out[label(policy, r)] = recompute(policy, r, seed)
     return out
+
+
+def recompute(policy: str, r: float, seed: int) -> Recompute:
+    """The recompute arm of ``policy`` (one of kvlab's, or a past-start arm) at ratio ``r``."""
+    if policy in PAST_START:
+        return PastStart(ratio=r, policy=PAST_START[policy], seed=seed)
+    return Recompute(ratio=r, policy=policy, seed=seed)
 
 
 def family(rows: list[dict], seed: int = 0, policies: tuple[str, ...] = POLICIES) -> list[dict]:
@@ -203,9 +216,10 @@ def selection_rows(model, h: int, tokens: int, seed: int) -> list[dict]:
         later, total = lands[1], lands[-1] + frags[-1].length
         q = s.questions[0]
         n0, n1 = needle_span(model, s, frags, q)
+        texts = [model.tokenizer.decode([i]) for i in torch.cat([f.token_ids.reshape(-1) for f in frags]).tolist()]
         for policy in SELECTIONS:
             for r in RATIOS:
-                chosen = Recompute(ratio=r, policy=policy, seed=seed).select(frags, lands, model)
+                chosen = recompute(policy, r, seed).select(frags, lands, model)
                 chosen = chosen[chosen >= later]  # fragment 0 is exact already: the strategy drops it too
                 rel = (chosen.double() - later) / (total - later)
                 picked = set(chosen.tolist())
@@ -222,9 +236,25 @@ def selection_rows(model, h: int, tokens: int, seed: int) -> list[dict]:
                         "mean_place": float(rel.mean()) if picked else 0.0,
                         "needle_later": n0 >= later,
                         "needle_chosen": sum(t in picked for t in range(n0, n1)) / (n1 - n0),
+                        "punctuation": _share(picked, texts, _punctuation),
+                        "after_sentence": _share(picked, texts, None),
                     }
                 )
     return out
+
+
+def _punctuation(text: str) -> bool:
+    """A token of punctuation alone (no letter or digit; whitespace around it allowed)."""
+    return bool(text.strip()) and not any(c.isalnum() for c in text)
+
+
+def _share(picked: set[int], texts: list[str], test) -> float:
+    """The share of ``picked`` positions whose token passes ``test``; with None, whose previous token ends a sentence."""
+    if not picked:
+        return 0.0
+    if test is None:
+        return sum(p > 0 and texts[p - 1].strip()[-1:] in ".!?" for p in picked) / len(picked)
+    return sum(test(texts[p]) for p in picked) / len(picked)
 
 
 def selection_markdown(rows: list[dict], model: str, seed: int = 0) -> str:
@@ -236,8 +266,8 @@ def selection_markdown(rows: list[dict], model: str, seed: int = 0) -> str:
         "mean place at 0.50; needle share over the caches whose needle is in the later fragment):",
         "",
         "| selection | r | in the first tenth | in the last tenth | mean place (0 first, 1 last) "
-        "| share of the needle's tokens chosen |",
-        "|---|---|---|---|---|---|",
+        "| share of the needle's tokens chosen | punctuation tokens | tokens after a sentence's end |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for policy in SELECTIONS:
         for r in RATIOS:
@@ -251,8 +281,35 @@ def selection_markdown(rows: list[dict], model: str, seed: int = 0) -> str:
             cells.append(
                 fmt_ci(mean_ci([x["needle_chosen"] for x in late], clusters=[x["set"] for x in late], seed=seed), ".2f")
             )
+            cells += [
+                fmt_ci(mean_ci([x[m] for x in rs], clusters=sets, seed=seed), ".2f")
+                for m in ("punctuation", "after_sentence")
+            ]
             out.append(f"| {policy} | {r:g} | " + " | ".join(cells) + " |")
+    out += [
+        "",
+        "What deviation picks past the start, against a random draw of the same tokens (paired over caches, Holm):",
+        "",
+    ]
+    for f in composition(rows, seed):
+        out.append(f"* {f['label']}: {fmt_ci(f['ci'], '+.2f')} (Holm p {f['p_holm']:.3f})")
     return "\n".join(out)
+
+
+def composition(rows: list[dict], seed: int = 0) -> list[dict]:
+    """Named with the third follow-up: ``deviation_past_start - random_past_start`` in each token class's share."""
+    comparisons = []
+    for r in (0.05, 0.15):
+        for m, name in (("punctuation", "punctuation tokens"), ("after_sentence", "tokens after a sentence's end")):
+            by = {
+                p: {(x["set"], x["depth"]): x[m] for x in rows if x["policy"] == p and x["ratio"] == r}
+                for p in PAST_START
+            }
+            keys = sorted(by["deviation_past_start"])
+            a, b = ([by[p][k] for k in keys] for p in PAST_START)
+            what = {"label": f"r = {r:g}, deviation_past_start - random_past_start, share of {name}"}
+            comparisons.append((what, a, b, [k[0] for k in keys]))
+    return paired_family(comparisons, seed=seed)
 
 
 def main() -> None:

@@ -128,6 +128,9 @@ def test_the_sections_prose_quotes_only_its_tables(study):
         tables.append(
             study.markdown(rows("recompute_window_fragment_start", model), model, policies=("fragment_start",))
         )
+        tables.append(
+            study.markdown(rows("recompute_window_past_start", model), model, policies=study.FOLLOW_UPS["past_start"])
+        )
     printed = set(intervals("\n".join(tables)))
     quoted = intervals(section)
     assert len(quoted) > len(MODELS) * 10, "the section prints its tables"
@@ -160,3 +163,22 @@ def test_past_start_spends_its_budget_only_past_each_later_fragments_first_tenth
         # Teeth: plain deviation spends part of the same budget in a start or fragment 0.
         plain = kvlab.Recompute(ratio=0.3).select(fs, lands, m).tolist()
         assert set(plain) - set(allowed)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_the_past_start_follow_up_reads_the_same_caches_and_is_printed_from_its_rows(study, model):
+    follow = rows("recompute_window_past_start", model)
+    page = (ROOT / "results" / "README.md").read_text()
+    arms = study.FOLLOW_UPS["past_start"]
+    assert study.markdown(follow, model, policies=arms).strip() in page, (
+        f"regenerate: .venv/bin/python studies/recompute_window.py --model {model} --policy past_start --markdown"
+    )
+    assert {r["strategy"] for r in follow} == {"rerotate", "reprefill"} | {
+        study.label(p, r) for p in arms for r in study.RATIOS
+    }
+    first = {
+        (r["set"], r["question"]): r["span_kl"] for r in rows("recompute_window", model) if r["strategy"] == "rerotate"
+    }
+    again = {(r["set"], r["question"]): r["span_kl"] for r in follow if r["strategy"] == "rerotate"}
+    assert again.keys() == first.keys()
+    assert all(again[q] == pytest.approx(first[q], rel=1e-6, abs=1e-9) for q in again)
