@@ -61,16 +61,28 @@ selections and two classes of token, punctuation alone and the token after a sen
 0.05 and 0.15 (4 per model, Holm). A difference describes what deviation picks; it does not show
 that the class is what costs.
 
+Fourth follow-up, named after the probe and before its own run (``--policy place_matched``): on both
+models ``deviation_past_start`` sits early in the later fragment (mean place about 0.33 against a
+random draw's 0.52) and is no richer than random in either token class, so place just past the
+start and the identity of the tokens deviation ranks first are not told apart.
+``random_at_deviation_places`` draws at random among the tokens past the start, as many in each
+tenth of each later fragment as ``deviation_past_start`` picks there. If it costs on Gemma 3 at
+r = 0.05 or 0.15, the place carries the cost; if it does not, the cost lies in which tokens
+deviation ranks first. The family per model is ``random_at_deviation_places r=<r> - rerotate`` in
+answer-span KL (4 comparisons, Holm).
+
     .venv/bin/python studies/recompute_window.py --model gemma3-270m [--haystacks 20]
     .venv/bin/python studies/recompute_window.py --model gemma3-270m --markdown   # tables from the committed rows
     .venv/bin/python studies/recompute_window.py --model gemma3-270m --selection [--markdown]
     .venv/bin/python studies/recompute_window.py --model gemma3-270m --policy fragment_start [--markdown]
     .venv/bin/python studies/recompute_window.py --model gemma3-270m --policy past_start [--markdown]
+    .venv/bin/python studies/recompute_window.py --model gemma3-270m --policy place_matched [--markdown]
 
 Writes ``results/recompute_window_<model>.csv`` (the haystack study's columns) and ``.json`` (the
 run); ``--selection`` writes ``results/recompute_window_selection_<model>.csv`` and ``.json``,
 ``--policy fragment_start`` ``results/recompute_window_fragment_start_<model>.csv`` and ``.json``,
-``--policy past_start`` ``results/recompute_window_past_start_<model>.csv`` and ``.json``.
+``--policy past_start`` ``results/recompute_window_past_start_<model>.csv`` and ``.json``, and so on
+for each follow-up (``recompute_window_<policy>_<model>``).
 """
 
 from __future__ import annotations
@@ -101,7 +113,11 @@ PAST_START = {"deviation_past_start": "deviation", "random_past_start": "random_
 #: and the third follow-up's two (added with it).
 SELECTIONS = ("deviation", "random_later", "fragment_start", *PAST_START)
 #: The follow-up runs (``--policy``) and the arms each reads.
-FOLLOW_UPS = {"fragment_start": ("fragment_start",), "past_start": tuple(PAST_START)}
+FOLLOW_UPS = {
+    "fragment_start": ("fragment_start",),
+    "past_start": tuple(PAST_START),
+    "place_matched": ("random_at_deviation_places",),
+}
 
 
 @dataclass
@@ -112,12 +128,18 @@ class PastStart(Recompute):
     random (seeded); the budget is capped at how many there are.
     """
 
-    def select_tokens(self, decoder, merged) -> torch.Tensor:
-        """``[min(round(ratio * N), allowed)]`` int64 merged positions, ascending, none in a later fragment's start."""
+    @staticmethod
+    def allowed(decoder) -> torch.Tensor:
+        """``[N]`` bool: the tokens past each later fragment's first tenth."""
         allowed = torch.zeros(decoder.total, dtype=torch.bool)
         allowed[decoder.later :] = True
         for f, land in zip(decoder.fragments[1:], decoder.landings[1:], strict=True):
             allowed[land : land + -(-f.length // 10)] = False
+        return allowed
+
+    def select_tokens(self, decoder, merged) -> torch.Tensor:
+        """``[min(round(ratio * N), allowed)]`` int64 merged positions, ascending, none in a later fragment's start."""
+        allowed = self.allowed(decoder)
         if self.policy == "deviation":
             score = key_deviation(decoder, merged, self._check_layer(decoder, merged)).cpu().double()
         else:
@@ -125,6 +147,29 @@ class PastStart(Recompute):
         score[~allowed] = float("-inf")
         k = min(self.budget(decoder.total), int(allowed.sum()))
         return torch.topk(score, k).indices.sort().values
+
+
+@dataclass
+class PlaceMatched(PastStart):
+    """A random draw at ``deviation_past_start``'s places: in each tenth of each later fragment, as many
+    tokens (drawn at random among those past the start) as ``deviation_past_start`` picks there."""
+
+    def select_tokens(self, decoder, merged) -> torch.Tensor:
+        """``[k]`` int64 merged positions, ascending: ``deviation_past_start``'s count per tenth, drawn at random."""
+        picks = set(PastStart(ratio=self.ratio, policy="deviation").select_tokens(decoder, merged).tolist())
+        allowed = self.allowed(decoder)
+        g = torch.Generator().manual_seed(self.seed)
+        out = []
+        for f, land in zip(decoder.fragments[1:], decoder.landings[1:], strict=True):
+            # Token p of this fragment is in tenth (p - land) * 10 // length, as the selection probe places it.
+            bins = {}
+            for p in range(land, land + f.length):
+                bins.setdefault((p - land) * 10 // f.length, []).append(p)
+            for span in bins.values():
+                here = [p for p in span if allowed[p]]
+                want = sum(p in picks for p in span)
+                out += [here[i] for i in torch.randperm(len(here), generator=g)[:want].tolist()]
+        return torch.tensor(sorted(out), dtype=torch.long)
 
 
 def label(policy: str, r: float) -> str:
@@ -145,6 +190,8 @@ def recompute(policy: str, r: float, seed: int) -> Recompute:
     """The recompute arm of ``policy`` (one of kvlab's, or a past-start arm) at ratio ``r``."""
     if policy in PAST_START:
         return PastStart(ratio=r, policy=PAST_START[policy], seed=seed)
+    if policy == "random_at_deviation_places":
+        return PlaceMatched(ratio=r, policy="deviation", seed=seed)
     return Recompute(ratio=r, policy=policy, seed=seed)
 
 

@@ -182,3 +182,25 @@ def test_the_past_start_follow_up_reads_the_same_caches_and_is_printed_from_its_
     again = {(r["set"], r["question"]): r["span_kl"] for r in follow if r["strategy"] == "rerotate"}
     assert again.keys() == first.keys()
     assert all(again[q] == pytest.approx(first[q], rel=1e-6, abs=1e-9) for q in again)
+
+
+def test_the_place_matched_draw_has_deviations_count_in_every_tenth_but_its_own_tokens(study):
+    import kvlab
+    from conftest import tiny
+
+    m = tiny("tiny-llama")
+    words = "keys carry the phase of the place where they were computed".split()
+    fs = [kvlab.prefill(m, " ".join(words[i % len(words)] for i in range(n))) for n in (25, 60)]
+    lands = kvlab.landing_positions(fs)
+
+    def tenths(chosen):
+        return sorted((p - lands[1]) * 10 // fs[1].length for p in chosen)
+
+    for r in (0.1, 0.3):
+        dev = study.PastStart(ratio=r, policy="deviation").select(fs, lands, m).tolist()
+        drawn = study.recompute("random_at_deviation_places", r, 0).select(fs, lands, m).tolist()
+        assert tenths(drawn) == tenths(dev) and drawn == sorted(set(drawn))
+        assert min(drawn) >= lands[1] + -(-fs[1].length // 10)  # none in fragment 0 or the later start
+    # It is a draw at deviation's places, not deviation's own picks, and another seed draws others.
+    other = study.recompute("random_at_deviation_places", 0.3, 1).select(fs, lands, m).tolist()
+    assert drawn != dev and other != drawn and tenths(other) == tenths(dev)
