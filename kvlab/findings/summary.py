@@ -3,7 +3,8 @@
 Every number is computed here from the per-question rows the long-context study committed
 (``results/long_context_<model>.csv``), the puzzle study's
 (``results/merge_puzzle_smollm2-135m.csv``), the haystack study's
-(``results/haystack_<model>.csv``, and ``haystack_8x512_<model>.csv`` at 8 x 512) and the naive-dose sweep's
+(``results/haystack_<model>.csv``, and ``haystack_8x512_<model>.csv`` at 8 x 512), the recompute-window
+study's (``results/recompute_window*_gemma3-270m.csv``) and the naive-dose sweep's
 (``results/naive_dose/rows_<model>.csv``), with kvlab's cluster bootstrap over caches; nothing is
 typed in. ``studies/summary.py`` writes the page, and a test checks the committed page is what
 :func:`render` prints.
@@ -89,6 +90,20 @@ def render(results: str | Path) -> str:
     for arm in (RECOMPUTE, "random_later r=0.15"):
         x, y, labels = pairs(win, arm, "rerotate", "span_kl", None, cluster=haystack_table.CLUSTER)
         win_d[arm] = paired_diff_ci(x, y, clusters=labels)
+    # Its follow-ups at r = 0.05: deviation's picks past the later fragment's start, and a random draw at their places.
+    for name, arm in (
+        ("past_start", "deviation_past_start r=0.05"),
+        ("place_matched", "random_at_deviation_places r=0.05"),
+    ):
+        follow = read_study_rows(results / f"recompute_window_{name}_{g}.csv", text=haystack_table.TEXT)
+        x, y, labels = pairs(follow, arm, "rerotate", "span_kl", None, cluster=haystack_table.CLUSTER)
+        win_d[arm] = paired_diff_ci(x, y, clusters=labels)
+    picks = win_d["deviation_past_start r=0.05"], win_d["random_at_deviation_places r=0.05"]
+    picks_say = (
+        "it is the tokens `deviation` ranks first, not their place"
+        if picks[0].lo > 0 and picks[1].hi <= 0
+        else "the follow-ups do not tell the tokens `deviation` ranks first from their place"
+    )
 
     def h(m, what, spec, k=None, fam=hay_fam):
         r = fam[m][what.format(k=k or hk)]
@@ -135,7 +150,9 @@ def render(results: str | Path) -> str:
             f"2 × {hay_tokens}) the selection decides the sign: recompute − rerotate answer-span KL at r = 0.15 is "
             f"{fmt_ci(win_d[RECOMPUTE], '+.4f')} under `deviation` and {fmt_ci(win_d['random_later r=0.15'], '+.4f')} "
             f"under a random draw of the same later tokens ({_n(win_d[RECOMPUTE]).replace('caches', 'haystacks')}; "
-            "[README.md](README.md#recompute-inside-gemma-3s-window-the-selection-not-the-mixture)).",
+            "[README.md](README.md#recompute-inside-gemma-3s-window-the-selection-not-the-mixture)). At r = 0.05 "
+            f"{picks_say}: kept past the later fragment's start it is "
+            f"{fmt_ci(picks[0], '+.4f')}, a random draw of as many tokens at its places {fmt_ci(picks[1], '+.4f')}.",
             "Measure the recompute ratio's benefit per model, against rerotate and against a random draw of the same "
             "budget, before paying for it; do not carry a ratio or a selection tuned on one architecture to another.",
         ),

@@ -131,6 +131,11 @@ def test_the_sections_prose_quotes_only_its_tables(study):
         tables.append(
             study.markdown(rows("recompute_window_past_start", model), model, policies=study.FOLLOW_UPS["past_start"])
         )
+        tables.append(
+            study.markdown(
+                rows("recompute_window_place_matched", model), model, policies=study.FOLLOW_UPS["place_matched"]
+            )
+        )
     printed = set(intervals("\n".join(tables)))
     quoted = intervals(section)
     assert len(quoted) > len(MODELS) * 10, "the section prints its tables"
@@ -166,12 +171,13 @@ def test_past_start_spends_its_budget_only_past_each_later_fragments_first_tenth
 
 
 @pytest.mark.parametrize("model", MODELS)
-def test_the_past_start_follow_up_reads_the_same_caches_and_is_printed_from_its_rows(study, model):
-    follow = rows("recompute_window_past_start", model)
+@pytest.mark.parametrize("follow_up", ["past_start", "place_matched"])
+def test_a_later_follow_up_reads_the_same_caches_and_is_printed_from_its_rows(study, model, follow_up):
+    follow = rows(f"recompute_window_{follow_up}", model)
     page = (ROOT / "results" / "README.md").read_text()
-    arms = study.FOLLOW_UPS["past_start"]
+    arms = study.FOLLOW_UPS[follow_up]
     assert study.markdown(follow, model, policies=arms).strip() in page, (
-        f"regenerate: .venv/bin/python studies/recompute_window.py --model {model} --policy past_start --markdown"
+        f"regenerate: .venv/bin/python studies/recompute_window.py --model {model} --policy {follow_up} --markdown"
     )
     assert {r["strategy"] for r in follow} == {"rerotate", "reprefill"} | {
         study.label(p, r) for p in arms for r in study.RATIOS
