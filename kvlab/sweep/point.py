@@ -32,10 +32,6 @@ from kvlab.findings.records import read_records, rounded
 from kvlab.lab.kernel import kernel_name, quiet_kernel_manager
 from kvlab.lab.provenance import model_digest, versions
 
-# papermill warns of an output name without ".ipynb": a point's notebook is written under kvlab's
-# temporary name (".notebook.ipynb.<pid>.<hex>.tmp") and renamed once complete.
-warnings.filterwarnings("ignore", r"The specified file \(.*\.tmp\) does not end in one of", UserWarning)
-
 RECORD_FORMAT = "kvlab-sweep-point-v1"
 
 
@@ -128,16 +124,24 @@ def execute(task: dict, folder: Path) -> tuple[str, str | None]:
     with contextlib.suppress(_NoNotebook), atomic_path(folder / "notebook.ipynb") as tmp:
         with open(folder / "kernel-stderr.txt", "w") as stderr:
             try:
-                pm.execute_notebook(
-                    task["notebook"],
-                    str(tmp),
-                    parameters=task["parameters"],
-                    kernel_name=kernel_name(),
-                    cwd=str(Path(task["notebook"]).parent),
-                    progress_bar=False,
-                    log_output=False,
-                    kernel_manager_class=TrackedKernelManager,
-                )
+                # papermill warns of an output name without ".ipynb": the notebook is written under kvlab's
+                # temporary name (".notebook.ipynb.<pid>.<hex>.tmp") and renamed once complete. Filtered here,
+                # around the call, since a filter set at import is lost to any caller that resets the filters
+                # (pytest does, per test).
+                with warnings.catch_warnings():
+                    warnings.filterwarnings(
+                        "ignore", r"The specified file \(.*\.tmp\) does not end in one of", UserWarning
+                    )
+                    pm.execute_notebook(
+                        task["notebook"],
+                        str(tmp),
+                        parameters=task["parameters"],
+                        kernel_name=kernel_name(),
+                        cwd=str(Path(task["notebook"]).parent),
+                        progress_bar=False,
+                        log_output=False,
+                        kernel_manager_class=TrackedKernelManager,
+                    )
             except Exception as e:  # noqa: BLE001  every failure of the notebook is the point's result
                 status, error = "failed", _error_text(e)
             finally:
