@@ -53,7 +53,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvlab.findings import haystack, longctx
-from kvlab.findings.haystack_table import COUNTS, DEPTHS, MULTI_DEPTHS, TEXT, markdown
+from kvlab.findings.haystack_table import COUNTS, DEPTHS, MULTI_DEPTHS, TEXT, TOKENS, markdown, rows_path
 from kvlab.findings.needles import GREEDY, haystack_rows
 from kvlab.findings.rows import read_rows
 from kvlab.lab.study import run_set_study, set_study_parser
@@ -68,15 +68,8 @@ def read_haystack(model, h: int, tokens: int, seed: int, counts: tuple[int, ...]
     return haystack_rows(model, h, tokens, seed, merges, counts=counts, depths=DEPTHS, multi_depths=MULTI_DEPTHS)
 
 
-def rows_path(out: Path, model: str, counts: tuple[int, ...], tokens: int) -> Path:
-    """Where a design's rows go: ``haystack_<model>.csv`` at the default, ``haystack_<counts>x<tokens>_<model>.csv`` else."""
-    if tuple(counts) == COUNTS and tokens == 192:
-        return out / f"haystack_{model}.csv"
-    return out / f"haystack_{'-'.join(map(str, counts))}x{tokens}_{model}.csv"
-
-
 def main() -> None:
-    ap = set_study_parser(__doc__, RESULTS, sets="haystacks", tokens=192)
+    ap = set_study_parser(__doc__, RESULTS, sets="haystacks", tokens=TOKENS)
     ap.add_argument("--counts", type=int, nargs="+", default=list(COUNTS), help="fragment counts, in order")
     args = ap.parse_args()
     counts = tuple(args.counts)

@@ -156,7 +156,7 @@ class PlaceMatched(PastStart):
 
     def select_tokens(self, decoder, merged) -> torch.Tensor:
         """``[k]`` int64 merged positions, ascending: ``deviation_past_start``'s count per tenth, drawn at random."""
-        picks = set(PastStart(ratio=self.ratio, policy="deviation").select_tokens(decoder, merged).tolist())
+        picks = set(super().select_tokens(decoder, merged).tolist())  # policy "deviation": its own ranking
         allowed = self.allowed(decoder)
         g = torch.Generator().manual_seed(self.seed)
         out = []
@@ -264,6 +264,9 @@ def selection_rows(model, h: int, tokens: int, seed: int) -> list[dict]:
         q = s.questions[0]
         n0, n1 = needle_span(model, s, frags, q)
         texts = [model.tokenizer.decode([i]) for i in torch.cat([f.token_ids.reshape(-1) for f in frags]).tolist()]
+        # The two token classes, by merged position, once per cache.
+        punctuation = {p for p, text in enumerate(texts) if _punctuation(text)}
+        after_sentence = {p for p in range(1, len(texts)) if texts[p - 1].strip()[-1:] in ".!?"}
         for policy in SELECTIONS:
             for r in RATIOS:
                 chosen = recompute(policy, r, seed).select(frags, lands, model)
@@ -283,8 +286,8 @@ def selection_rows(model, h: int, tokens: int, seed: int) -> list[dict]:
                         "mean_place": float(rel.mean()) if picked else 0.0,
                         "needle_later": n0 >= later,
                         "needle_chosen": sum(t in picked for t in range(n0, n1)) / (n1 - n0),
-                        "punctuation": _share(picked, texts, _punctuation),
-                        "after_sentence": _share(picked, texts, None),
+                        "punctuation": len(picked & punctuation) / len(picked) if picked else 0.0,
+                        "after_sentence": len(picked & after_sentence) / len(picked) if picked else 0.0,
                     }
                 )
     return out
@@ -293,15 +296,6 @@ def selection_rows(model, h: int, tokens: int, seed: int) -> list[dict]:
 def _punctuation(text: str) -> bool:
     """A token of punctuation alone (no letter or digit; whitespace around it allowed)."""
     return bool(text.strip()) and not any(c.isalnum() for c in text)
-
-
-def _share(picked: set[int], texts: list[str], test) -> float:
-    """The share of ``picked`` positions whose token passes ``test``; with None, whose previous token ends a sentence."""
-    if not picked:
-        return 0.0
-    if test is None:
-        return sum(p > 0 and texts[p - 1].strip()[-1:] in ".!?" for p in picked) / len(picked)
-    return sum(test(texts[p]) for p in picked) / len(picked)
 
 
 def selection_markdown(rows: list[dict], model: str, seed: int = 0) -> str:

@@ -29,6 +29,20 @@ def intervals(text: str) -> list[str]:
     return [m.group(0).replace("−", "-") for m in INTERVAL.finditer(" ".join(text.split()))]
 
 
+def intervals_not_in(text: str, table: str) -> list[str]:
+    """The intervals ``text`` quotes (prose included) that ``table`` does not print."""
+    have = set(intervals(table))
+    return [m for m in intervals(text) if m not in have]
+
+
+def results_section(heading: str) -> str:
+    """The part of results/README.md from ``heading`` to the next second-level heading."""
+    page = (Path(__file__).resolve().parents[1] / "results" / "README.md").read_text()
+    start = page.index(heading)
+    end = page.find("\n## ", start + len(heading))
+    return page[start : end if end >= 0 else None]
+
+
 # tests/fixtures/ holds notebooks that tests run (kvlab sweep), not stored runs for nbval.
 collect_ignore_glob = ["fixtures/*"]
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from conftest import intervals, study_module
+from conftest import intervals_not_in, results_section, study_module
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -263,10 +263,10 @@ def test_foreign_reader_tables_are_recomputed_from_the_committed_rows(tmp_path):
     # question; the page prints the tables recomputed from them, so a reader can redo every interval.
     from kvlab.findings import readers
 
-    page = _section(ROOT / "results" / "README.md", "## Foreign readers (notebook 03)")
+    page = results_section("## Foreign readers (notebook 03)")
     printed = readers.committed_markdown(ROOT / "results", ("smollm2-135m", "gemma3-270m"))
     assert printed.count("#### ") == 2 and printed.strip() in page, "regenerate: studies/foreign_readers.py --markdown"
-    assert _intervals_not_in(page, printed) == [], "the prose quotes only the tables' intervals"
+    assert intervals_not_in(page, printed) == [], "the prose quotes only the tables' intervals"
     # Teeth: one question's score changed in a copy of the rows changes what is printed.
     for suffix in ("csv", "json"):
         src = readers.committed_path(ROOT / "results", "smollm2-135m", suffix)
@@ -337,17 +337,10 @@ def _stored_text(name: str) -> str:
     return "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
 
 
-def _section(page: Path, heading: str) -> str:
-    text = page.read_text()
-    start = text.index(heading)
-    end = text.find("\n## ", start + len(heading))
-    return text[start : end if end >= 0 else None]
-
-
 def test_notebook_06_numbers_on_the_page_are_its_stored_outputs():
     # The page's notebook-06 paragraph quotes the stored run, not an earlier one (issue 38, item 4).
     text = _stored_text("06_llama_cpp.ipynb")
-    page = _section(ROOT / "results" / "README.md", "## Beside llama.cpp (notebook 06)")
+    page = results_section("## Beside llama.cpp (notebook 06)")
     conv = re.search(r"n=12: KL mean (\S+) nats \[95% CI (\S+), (\S+)\], max (\S+); top-1 agreement", text)
     assert conv, "notebook 06 no longer prints its conversion line"
     assert f"mean {conv[1]} nats\n  [95% CI {conv[2]}, {conv[3]}], max {conv[4]}" in page
@@ -399,7 +392,7 @@ def test_notebook_05_lines_on_the_page_are_its_stored_outputs():
     # The page quoted an earlier, larger run of notebook 05 (493 tokens, every policy resolved):
     # now it quotes the stored run's lines, each checked here, and nbval checks them against a run.
     stored = _stored_text("05_fidelity_vs_cost.ipynb")
-    page = _section(ROOT / "results" / "README.md", "## Recompute policies (notebook 05)")
+    page = results_section("## Recompute policies (notebook 05)")
     block = _text_block(page)
     assert len(block.splitlines()) >= 20 and "Finding:" in block and "family:" in block
     assert "[cost" not in block, "wall-time figures vary by machine; nbval ignores them, so the page leaves them out"
@@ -409,21 +402,15 @@ def test_notebook_05_lines_on_the_page_are_its_stored_outputs():
     assert altered != page and _quoted_lines_not_stored(altered, stored) != []
 
 
-def _intervals_not_in(section: str, table: str) -> list[str]:
-    """The ``mean [lo, hi]`` of ``section`` (prose included) that ``table`` does not print."""
-    have = set(intervals(table))
-    return [m for m in intervals(section) if m not in have]
-
-
 def test_a_quoted_interval_the_table_lacks_is_caught():
-    assert _intervals_not_in("we saw +0.12 [+0.05, +0.20] here", "| +0.12 [+0.05, +0.20] |") == []
-    assert _intervals_not_in("we saw +0.12 [+0.05, +0.21] here", "| +0.12 [+0.05, +0.20] |") == ["+0.12 [+0.05, +0.21]"]
+    assert intervals_not_in("we saw +0.12 [+0.05, +0.20] here", "| +0.12 [+0.05, +0.20] |") == []
+    assert intervals_not_in("we saw +0.12 [+0.05, +0.21] here", "| +0.12 [+0.05, +0.20] |") == ["+0.12 [+0.05, +0.21]"]
 
 
 def test_the_certificate_table_is_the_committed_certificates():
     # results/README.md's "Certificates" table is typed from results/certify/<model>.json: each
     # measured cell must be what those certificates hold, at the digits the table prints.
-    page = _section(ROOT / "results" / "README.md", "## Certificates")
+    page = results_section("## Certificates")
     rows = {
         line.split(" | ")[0].lstrip("| "): line.split(" | ")[1:3] for line in page.splitlines() if line.startswith("| ")
     }
@@ -470,9 +457,9 @@ def test_attention_mass_tables_are_recomputed_from_the_committed_rows():
     from kvlab.findings.rows import read_rows
 
     rows = read_rows(ROOT / "results" / "attention_mass_smollm2-135m.csv")
-    page = _section(ROOT / "results" / "README.md", "## Where the question looks")
+    page = results_section("## Where the question looks")
     assert attention_mass.table(rows) in page, "regenerate: studies/attention_mass.py --markdown"
-    assert _intervals_not_in(page, attention_mass.table(rows)) == [], "the prose quotes only the table's intervals"
+    assert intervals_not_in(page, attention_mass.table(rows)) == [], "the prose quotes only the table's intervals"
     assert len({r["set"] for r in rows}) == 10 and {r["n_fragments"] for r in rows} == {2, 4, 8}
     # Teeth: one question's mass moved changes what is printed.
     rows[0] = {**rows[0], "first_tokens": rows[0]["first_tokens"] + 0.5}
@@ -485,9 +472,9 @@ def test_merge_puzzle_tables_are_recomputed_from_the_committed_rows():
     from kvlab.findings.rows import read_rows
 
     rows = read_rows(ROOT / "results" / "merge_puzzle_smollm2-135m.csv")
-    page = _section(ROOT / "results" / "README.md", "## Settling the SmolLM2 puzzle")
+    page = results_section("## Settling the SmolLM2 puzzle")
     assert study.table(rows) in page, "regenerate: studies/merge_puzzle.py --markdown"
-    assert _intervals_not_in(page, study.table(rows)) == [], "the prose quotes only the table's intervals"
+    assert intervals_not_in(page, study.table(rows)) == [], "the prose quotes only the table's intervals"
     # The issue asks for 20 caches per count.
     assert {r["n_fragments"] for r in rows} == {2, 4, 8} and len({r["set"] for r in rows}) == 20
     # Teeth: one question's score changed changes what is printed.
@@ -502,18 +489,18 @@ def test_long_context_tables_and_prose_are_the_committed_records():
     from kvlab.findings import strata
 
     table = study_module("long_context_table")
-    page = _section(ROOT / "results" / "README.md", "## The long-context study")
+    page = results_section("## The long-context study")
     printed = []
     for model in ("smollm2-135m", "gemma3-270m"):
         printed.append(table.table(str(ROOT / "results" / f"long_context_{model}.json")))
         printed.append(strata.markdown(model, strata.read_rows(ROOT / "results" / f"long_context_{model}.csv")))
         assert printed[-2] in page, "regenerate: studies/long_context_table.py results/long_context_*.json"
         assert printed[-1] in page, "regenerate: studies/long_context_strata.py"
-    missing = _intervals_not_in(page, "\n".join(printed))
+    missing = intervals_not_in(page, "\n".join(printed))
     assert missing == [], f"the prose quotes intervals no table prints: {missing}"
     # Teeth: an interval typed into the prose by hand is caught.
     typed = page.replace("## The long-context study", "## The long-context study\n\nnaive +0.123 [+0.101, +0.145]")
-    assert _intervals_not_in(typed, "\n".join(printed)) == ["+0.123 [+0.101, +0.145]"]
+    assert intervals_not_in(typed, "\n".join(printed)) == ["+0.123 [+0.101, +0.145]"]
 
 
 @pytest.mark.parametrize("model", ["smollm2-135m", "gemma3-270m"])

@@ -6,6 +6,8 @@ so both, and the test that recomputes the README, read the same rows the same wa
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from kvlab.findings import longctx
 from kvlab.measure.stats import fmt_ci, paired_family, proportion_ci
 
@@ -13,9 +15,20 @@ from kvlab.measure.stats import fmt_ci, paired_family, proportion_ci
 COUNTS = (2, 4, 8)
 DEPTHS = (0.1, 0.4, 0.6, 0.9)
 MULTI_DEPTHS = (0.2, 0.55, 0.9)
+#: A fragment's token budget in the default design.
+TOKENS = 192
+#: The designs run and committed, ``(counts, tokens)``: the default, and the generated set's longest merge.
+DESIGNS = ((COUNTS, TOKENS), ((8,), 512))
 STRATEGIES = ("naive", "rerotate", "recompute r=0.15", "reprefill")
 CLUSTER = ("n_fragments", "set")  # one haystack at one count, with every layout and question of it
 TEXT = ("answer", "truth", "ref_answer")  # columns read back as strings (a code "0042" stays one)
+
+
+def rows_path(results: Path, model: str, counts=COUNTS, tokens: int = TOKENS) -> Path:
+    """A design's rows: ``haystack_<model>.csv`` at the default, ``haystack_<counts>x<tokens>_<model>.csv`` else."""
+    if tuple(counts) == COUNTS and tokens == TOKENS:
+        return Path(results) / f"haystack_{model}.csv"
+    return Path(results) / f"haystack_{'-'.join(map(str, counts))}x{tokens}_{model}.csv"
 
 
 def named(counts=COUNTS) -> list[tuple[str, dict, str, str, str]]:

@@ -81,7 +81,9 @@ def render(results: str | Path) -> str:
     }
     hay_tokens = json.loads((results / f"haystack_{s}.json").read_text())["tokens"]
     # The same haystack design at the generated set's longest merge, 8 fragments of <=512 tokens.
-    long = {m: read_study_rows(results / f"haystack_8x512_{m}.csv", text=haystack_table.TEXT) for m in MODELS}
+    long = {
+        m: read_study_rows(haystack_table.rows_path(results, m, (8,), 512), text=haystack_table.TEXT) for m in MODELS
+    }
     long_fam = {m: {r["label"]: r for r in haystack_table.family(rs)} for m, rs in long.items()}
     long_n = {m: len({r["set"] for r in rs}) for m, rs in long.items()}
     # The recompute-window study: the same 2-fragment essay caches, deviation's selection against a random one.

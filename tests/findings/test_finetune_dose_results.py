@@ -10,9 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_naive_dose_results import missing, section
 
-from conftest import INTERVAL, intervals, study_module
+from conftest import INTERVAL, intervals, intervals_not_in, results_section, study_module
 
 ROOT = Path(__file__).resolve().parents[2]
 HEADING = "## The fine-tune dose-response"
@@ -25,10 +24,10 @@ def table() -> str:
 
 
 def test_every_interval_in_the_section_is_recomputed_from_the_rows(table):
-    text = section(HEADING)
+    text = results_section(HEADING)
     assert table.count("every interval recomputed from rows_") == 2, "both points committed their rows"
     assert len(intervals(text)) > 50, "the section prints the sweep table"
-    assert not missing(text, table), (
+    assert not intervals_not_in(text, table), (
         "rerun: .venv/bin/python studies/finetune_dose.py --sweep-table results/finetune_dose"
     )
     rows = [line for line in text.splitlines() if line.startswith("| ") and INTERVAL.search(line)]
@@ -36,7 +35,7 @@ def test_every_interval_in_the_section_is_recomputed_from_the_rows(table):
 
 
 def test_an_altered_interval_fails(table):
-    text = section(HEADING)
+    text = results_section(HEADING)
     found = [m.group(0) for m in INTERVAL.finditer(text)][5]
     bumped = found.replace("]", "1]", 1)  # one more digit on the upper bound: no longer printed
-    assert missing(text.replace(found, bumped, 1), table) == intervals(bumped)
+    assert intervals_not_in(text.replace(found, bumped, 1), table) == intervals(bumped)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import kvlab
-from conftest import study_module
+from conftest import results_section, study_module
 
 ROOT = Path(__file__).resolve().parents[2]
 FOLDER = ROOT / "results" / "gemma_controls"
@@ -27,16 +27,9 @@ def study():
     return study_module("gemma_controls")
 
 
-def _section() -> str:
-    page = (ROOT / "results" / "README.md").read_text()
-    start = page.index(HEADING)
-    end = page.find("\n## ", start + 1)
-    return page[start : end if end > 0 else len(page)]
-
-
 def test_the_section_is_printed_from_the_committed_rows(study):
     printed = study.markdown(FOLDER)
-    assert printed in _section(), (
+    assert printed in results_section(HEADING), (
         "regenerate: .venv/bin/python studies/gemma_controls.py --markdown results/gemma_controls"
     )
     # Every point's table row is recomputed from its rows, none from a summary record.
@@ -75,7 +68,7 @@ def test_one_changed_score_changes_the_section(study, tmp_path):
         w = csv.DictWriter(fh, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    assert study.markdown(copy) not in _section()
+    assert study.markdown(copy) not in results_section(HEADING)
 
 
 def test_a_point_without_rows_is_refused(study, tmp_path):

@@ -10,11 +10,14 @@ from pathlib import Path
 
 import pytest
 
+from conftest import intervals, intervals_not_in, results_section
 from kvlab.errors import EvalSetError
 from kvlab.findings import haystack
 from kvlab.findings.evalset import Names
+from kvlab.findings.haystack_table import DESIGNS
 
 ROOT = Path(__file__).resolve().parents[2]
+SECTION = "## Text nobody here wrote: needles in essays"
 
 
 def words(text: str) -> int:
@@ -120,21 +123,20 @@ def test_the_studys_reprefill_rows_are_what_a_reprefill_merge_reads():
 
 
 @pytest.mark.parametrize("model", ["smollm2-135m", "gemma3-270m"])
-@pytest.mark.parametrize("design", ["", "8x512_"])
-def test_the_readme_section_is_printed_from_the_committed_rows(model, design):
-    from kvlab.findings.haystack_table import COUNTS, TEXT, markdown
+@pytest.mark.parametrize("counts, tokens", DESIGNS)
+def test_the_readme_section_is_printed_from_the_committed_rows(model, counts, tokens):
+    from kvlab.findings.haystack_table import TEXT, markdown, rows_path
     from kvlab.findings.rows import read_rows
 
-    rows = read_rows(ROOT / "results" / f"haystack_{design}{model}.csv", text=TEXT)
-    page = (ROOT / "results" / "README.md").read_text()
-    start = page.index("## Text nobody here wrote: needles in essays")
-    section = page[start : page.find("\n## ", start + 1)]
+    path = rows_path(ROOT / "results", model, counts, tokens)
+    rows = read_rows(path, text=TEXT)
     printed = markdown(rows, model)
-    args = " --counts 8 --tokens 512" if design else ""
-    assert printed in section, f"regenerate: .venv/bin/python studies/haystack.py --model {model}{args} --markdown"
+    assert printed in results_section(SECTION), (
+        f"regenerate: .venv/bin/python studies/haystack.py --model {model} --counts {' '.join(map(str, counts))} "
+        f"--tokens {tokens} --markdown"
+    )
     # The design the study named: 20 haystacks at every count, four strategies on every question.
-    run = json.loads((ROOT / "results" / f"haystack_{design}{model}.json").read_text())
-    counts, tokens = ((8,), 512) if design else (COUNTS, 192)
+    run = json.loads(path.with_suffix(".json").read_text())
     assert (tuple(run["counts"]), run["tokens"]) == (counts, tokens)
     assert len({r["set"] for r in rows}) == 20 and {r["n_fragments"] for r in rows} == set(counts)
     per = {}
@@ -143,7 +145,7 @@ def test_the_readme_section_is_printed_from_the_committed_rows(model, design):
     assert {len(s) for s in per.values()} == {4}
     # Teeth: one question's score changed changes what is printed.
     rows[0] = {**rows[0], "span_kl": rows[0]["span_kl"] + 0.5}
-    assert markdown(rows, model) not in section
+    assert markdown(rows, model) not in results_section(SECTION)
 
 
 @pytest.mark.real
@@ -169,31 +171,34 @@ def test_a_needles_span_in_the_merge_holds_its_tokens_and_caches_repeat_by_prefi
 
 
 def test_the_sections_prose_quotes_only_its_tables():
-    from conftest import intervals
-    from kvlab.findings.haystack_table import TEXT, markdown
+    from kvlab.findings.haystack_table import TEXT, markdown, rows_path
     from kvlab.findings.rows import read_rows
 
-    page = (ROOT / "results" / "README.md").read_text()
-    start = page.index("## Text nobody here wrote: needles in essays")
-    section = page[start : page.find("\n## ", start + 1)]
-    paths = sorted((ROOT / "results").glob("haystack_*.csv"))
-    printed = set(intervals("\n".join(markdown(read_rows(p, text=TEXT), p.stem.split("_")[-1]) for p in paths)))
-    quoted = intervals(section)
-    assert len(paths) >= 2 and len(quoted) > 100, "the section prints every haystack design's tables"
-    assert [q for q in quoted if q not in printed] == [], "the prose quotes only intervals its tables print"
+    tables = [
+        markdown(read_rows(rows_path(ROOT / "results", model, counts, tokens), text=TEXT), model)
+        for model in ("smollm2-135m", "gemma3-270m")
+        for counts, tokens in DESIGNS
+    ]
+    section = results_section(SECTION)
+    assert len(intervals(section)) > 100, "the section prints every haystack design's tables"
+    assert intervals_not_in(section, "\n".join(tables)) == [], "the prose quotes only intervals its tables print"
 
 
 @pytest.mark.real
 def test_long_haystacks_keep_to_their_own_stretch_of_the_essays(monkeypatch):
     import kvlab
-    from kvlab.findings import needles
+    from kvlab.findings import longctx, needles
 
     # 20 haystacks of 8 x 512 tokens fit the essays side by side; at 192 tokens the stride is the committed one.
     assert needles.stride(192) == needles.STRIDE == 200
     assert 20 * needles.stride(512) <= len(haystack.corpus(0))
     model = kvlab.load_model("smollm2-135m")
-    caches = list(needles.haystack_caches(model, 19, 512, 0, counts=(8,), depths=(0.9,)))
-    assert sum(len(p.split()) for p in caches[0][2].passages) > 8 * 300  # about 512 tokens a fragment
+    # The last haystack's text, cut as the study cuts it (no prefill needed): about 512 tokens a
+    # fragment, inside its own stretch.
+    count, start = longctx.token_counter(model), 19 * needles.stride(512)
+    rng = random.Random("haystack 0 19")
+    s, end = haystack.haystack_set(haystack.corpus(0), start, 8, 512, (0.9,), count, rng, Names(rng))
+    assert end - start <= needles.stride(512) and all(450 < count(p) <= 512 for p in s.passages)
     # Teeth: a stretch too short for the haystack is refused, not silently shared with the next one.
     monkeypatch.setattr(needles, "LONG_STRIDE", 150)
     with pytest.raises(RuntimeError, match="runs past its stretch"):

@@ -10,9 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_naive_dose_results import missing, section
 
-from conftest import INTERVAL, intervals, study_module
+from conftest import INTERVAL, intervals, intervals_not_in, results_section, study_module
 
 ROOT = Path(__file__).resolve().parents[2]
 HEADING = "## The recompute curve"
@@ -30,9 +29,9 @@ def table(study) -> str:
 
 
 def test_every_interval_in_the_section_is_recomputed_from_the_rows(table):
-    text = section(HEADING)
+    text = results_section(HEADING)
     assert len(intervals(text)) > 60, "the section prints the sweep table"
-    assert not missing(text, table), (
+    assert not intervals_not_in(text, table), (
         "rerun: .venv/bin/python studies/recompute_curve.py --sweep-table results/recompute_curve"
     )
     rows = [line for line in text.splitlines() if line.startswith("| ") and INTERVAL.search(line)]
@@ -54,10 +53,10 @@ def test_every_point_committed_rows_and_r90_lies_below_its_r_star(study):
 
 
 def test_an_altered_interval_fails(table):
-    text = section(HEADING)
+    text = results_section(HEADING)
     found = [m.group(0) for m in INTERVAL.finditer(text)][3]
     bumped = found.replace("]", "1]", 1)
-    assert missing(text.replace(found, bumped, 1), table) == intervals(bumped)
+    assert intervals_not_in(text.replace(found, bumped, 1), table) == intervals(bumped)
 
 
 def test_r90_lies_in_the_segment_it_names(study):

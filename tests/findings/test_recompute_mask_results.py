@@ -10,9 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_naive_dose_results import missing, section
 
-from conftest import INTERVAL, intervals, study_module
+from conftest import INTERVAL, intervals, intervals_not_in, results_section, study_module
 
 ROOT = Path(__file__).resolve().parents[2]
 HEADING = "## The recompute-mask defect"
@@ -30,13 +29,13 @@ def table(study) -> str:
 
 
 def test_the_section_is_the_table_the_rows_give(table):
-    text = section(HEADING)
+    text = results_section(HEADING)
     lines = [line for line in text.splitlines() if line.startswith(("| ", "- ")) and INTERVAL.search(line)]
     assert len(lines) == len(table.splitlines()) - 3, "rerun: .venv/bin/python studies/recompute_mask.py --table " + (
         " ".join(MODELS)
     )
     assert not [line for line in lines if line not in table.splitlines()]
-    assert not missing(text, table)
+    assert not intervals_not_in(text, table)
 
 
 def test_the_rows_are_the_design_the_section_states(study):
@@ -53,7 +52,7 @@ def test_the_rows_are_the_design_the_section_states(study):
 
 
 def test_an_altered_interval_fails(table):
-    text = section(HEADING)
+    text = results_section(HEADING)
     found = [m.group(0) for m in INTERVAL.finditer(text)][2]
     bumped = found.replace("]", "1]", 1)
-    assert missing(text.replace(found, bumped, 1), table) == intervals(bumped)
+    assert intervals_not_in(text.replace(found, bumped, 1), table) == intervals(bumped)

@@ -113,33 +113,20 @@ def test_deviation_spends_much_of_a_small_budget_where_fragment_start_spends_nea
 
 
 def test_the_sections_prose_quotes_only_its_tables(study):
-    from conftest import intervals
+    from conftest import intervals, intervals_not_in, results_section
     from kvlab.findings.rows import read_rows
 
-    page = (ROOT / "results" / "README.md").read_text()
-    start = page.index("## Recompute inside Gemma 3's window")
-    section = page[start : page.find("\n## ", start + 1)]
+    section = results_section("## Recompute inside Gemma 3's window")
     tables = []
     for model in MODELS:
         tables.append(study.markdown(rows("recompute_window", model), model))
         tables.append(
             study.selection_markdown(read_rows(ROOT / "results" / f"recompute_window_selection_{model}.csv"), model)
         )
-        tables.append(
-            study.markdown(rows("recompute_window_fragment_start", model), model, policies=("fragment_start",))
-        )
-        tables.append(
-            study.markdown(rows("recompute_window_past_start", model), model, policies=study.FOLLOW_UPS["past_start"])
-        )
-        tables.append(
-            study.markdown(
-                rows("recompute_window_place_matched", model), model, policies=study.FOLLOW_UPS["place_matched"]
-            )
-        )
-    printed = set(intervals("\n".join(tables)))
-    quoted = intervals(section)
-    assert len(quoted) > len(MODELS) * 10, "the section prints its tables"
-    assert [q for q in quoted if q not in printed] == [], "the prose quotes only intervals its tables print"
+        for name, arms in study.FOLLOW_UPS.items():
+            tables.append(study.markdown(rows(f"recompute_window_{name}", model), model, policies=arms))
+    assert len(intervals(section)) > len(MODELS) * 10, "the section prints its tables"
+    assert intervals_not_in(section, "\n".join(tables)) == [], "the prose quotes only intervals its tables print"
 
 
 @pytest.mark.parametrize("base", ["deviation", "random_later"])
