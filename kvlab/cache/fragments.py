@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from kvlab.compat import forward
 from kvlab.errors import MergeError
 from kvlab.models.loaded import LoadedModel
 from kvlab.models.rope import check_positions
@@ -150,7 +151,9 @@ def prefill_ids(model: LoadedModel, ids: torch.Tensor, start: int = 0) -> Dynami
     cache = new_cache(model.config)
     positions = torch.arange(start, start + L, device=model.device)[None].expand(ids.shape[0], -1)
     # Only the cache is wanted: skip the vocabulary projection for all but one token.
-    model.model(input_ids=ids.to(model.device), position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
+    forward(
+        model.model, cache, input_ids=ids.to(model.device), position_ids=positions, use_cache=True, logits_to_keep=1
+    )
     return cache
 
 

@@ -18,6 +18,7 @@ from kvlab.cache.recompute.decoder import Decoder
 from kvlab.cache.recompute.inputs import attention_mask
 from kvlab.cache.recompute.strategy import Recompute
 from kvlab.cache.strategies import KeyRotator, Rerotate, Strategy, concat_layers
+from kvlab.compat import forward
 from kvlab.errors import MergeError
 from kvlab.models.layout import layer_ropes
 
@@ -87,7 +88,7 @@ def chat_turn(model, cache: DynamicCache, query: str, new_tokens: int = 12) -> s
     for _ in range(new_tokens):
         n = cache.get_seq_length()
         pos = torch.arange(n, n + ids.shape[-1], device=device)[None]
-        logits = model.model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1).logits
+        logits = forward(model.model, cache, input_ids=ids, position_ids=pos, use_cache=True, logits_to_keep=1).logits
         nxt = int(logits[0, -1].argmax())
         out.append(nxt)
         if len(out) == new_tokens:

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from kvlab.cache.fragments import new_cache
+from kvlab.compat import rope_parameters
 from kvlab.models.digests import (
     FINGERPRINT_VERSION,
     is_hex64,
@@ -174,7 +175,7 @@ def cache_geometry(model) -> dict:
         ropes = None
     rope = None
     if ropes is not None:
-        params = getattr(config, "rope_parameters", None) or {}
+        params = rope_parameters(config)
         rope = {}
         for r in ropes:
             if r.layer_type in rope:

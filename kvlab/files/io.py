@@ -16,6 +16,7 @@ import torch
 from transformers import DynamicCache
 
 from kvlab.cache.fragments import Fragment, new_cache, set_length
+from kvlab.compat import layer_ready
 from kvlab.errors import CacheFileError, CacheFileWarning, FingerprintMismatch
 from kvlab.files.format import (
     ST_DTYPES,
@@ -94,7 +95,7 @@ def _check_producer(frag: Fragment, model: LoadedModel, producer: dict) -> None:
     if len(layers) != geo["num_layers"]:
         raise FingerprintMismatch(f"{where} has {len(layers)} layers, the model has {geo['num_layers']}")
     for i, layer in enumerate(layers):
-        if not layer.is_initialized and getattr(layer, "keys", None) is not None and layer.keys.numel():
+        if not layer_ready(layer) and getattr(layer, "keys", None) is not None and layer.keys.numel():
             raise CacheFileError(
                 f"refusing to save: layer {i} holds tensors but was never initialized, so transformers reads it as "
                 "empty and drops its tokens (a cache built by assigning .keys); build caches through cache.update"
@@ -103,7 +104,7 @@ def _check_producer(frag: Fragment, model: LoadedModel, producer: dict) -> None:
     if length < 1:
         raise CacheFileError("refusing to save an empty cache (0 tokens)")
     for i, layer in enumerate(layers):
-        if not layer.is_initialized or layer.keys is None or layer.keys.numel() == 0:
+        if not layer_ready(layer) or layer.keys is None or layer.keys.numel() == 0:
             raise CacheFileError(f"refusing to save: layer {i} of the cache is empty (the cache holds {length} tokens)")
         kind = "sliding_attention" if layer.is_sliding else "full_attention"
         if kind != geo["layer_types"][i]:

@@ -30,6 +30,7 @@ import torch
 from transformers import DynamicCache
 
 from kvlab.cache.fragments import tokenize
+from kvlab.compat import forward
 from kvlab.errors import MergeError
 from kvlab.measure.room import CONTINUATION, DEAD, DRAFT, PROBE, ProbeCache, Slots, masks
 from kvlab.models.layout import layer_ropes
@@ -319,11 +320,12 @@ class _Group:
 
 def _forward(model: LoadedModel, work: ProbeCache, slots: Slots, queries: Slots, tokens, keep) -> torch.Tensor:
     """One forward pass of ``[Q]`` ``tokens`` into ``work``: ``[K, vocab]`` logits at positions ``keep`` (all if ``None``)."""
-    out = model.model(
+    out = forward(
+        model.model,
+        work,
         input_ids=tokens[None],
         position_ids=queries.pos[None],
         attention_mask=masks(model, work, slots, queries),
-        cache=work,
         use_cache=True,
         # Only the rows asked for go through the vocabulary projection: for every row, Gemma 3's
         # 262k-token vocabulary costs more than its layers.

@@ -62,7 +62,7 @@ class ProbeLayer(CacheLayerMixin):
         self.fill = self.kept
         self.device, self.is_initialized = k.device, True
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
         pass  # allocated in __init__, from the caller's layer
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -90,6 +90,10 @@ class ProbeLayer(CacheLayerMixin):
         return self.fill + query_length, 0  # not used: read_probes hands the model its own 4-D masks
 
     def get_max_length(self) -> int:
+        return self.keys.shape[-2]
+
+    def get_max_cache_shape(self) -> int:
+        # 4.x's CacheLayerMixin declares it abstract; the room is all the layer will ever hold.
         return self.keys.shape[-2]
 
 

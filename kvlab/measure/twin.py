@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 
 import torch
 from transformers import DynamicCache
 
 from kvlab.cache.fragments import Fragment, prefill_ids
 from kvlab.cache.merge import landing_positions, merge
+from kvlab.compat import rotary_modules
 from kvlab.models.layout import emits, find_rotary_module, layer_ropes
 from kvlab.models.loaded import LoadedModel
 from kvlab.models.rope import longrope_inv_freq
@@ -56,8 +58,15 @@ def exact_twin(model: LoadedModel) -> LoadedModel:
         emb = freqs.repeat_interleave(2, dim=-1) if form == "interleave" else torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * s).to(x.dtype), (emb.sin() * s).to(x.dtype)
 
-    find_rotary_module(module).forward = forward
+    rotary = find_rotary_module(module)
+    for t, (found, takes) in rotary_modules(module, rotary, list(ropes) or ["default"]).items():
+        # A module of one layer type (4.x's Gemma 3 local one) is told its type; one that takes it is not.
+        found.forward = forward if takes else functools.partial(_typed, forward, t)
     return dataclasses.replace(model, model=module)
+
+
+def _typed(forward, layer_type, x, position_ids, *args, **kwargs):
+    return forward(x, position_ids, layer_type)
 
 
 def exact_landing(twin: LoadedModel, frags: list[Fragment]) -> tuple[DynamicCache, list[DynamicCache]]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from kvlab.compat import rope_parameters
+from kvlab.errors import UnsupportedModelError
 from kvlab.models.gguf import GGUF_MODELS, converted_dir
 from kvlab.models.layout import layer_types, layout_tags
 from kvlab.models.loaded import quiet_transformers
@@ -15,7 +17,7 @@ def model_names() -> list[str]:
 
 def _rope_summary(config) -> str:
     # GPT-J keeps no rope parameters: its fixed base lives in its sin/cos table.
-    params = getattr(config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}
+    params = rope_parameters(config) or {"rope_type": "default", "rope_theta": 10000.0}
     if all(isinstance(v, dict) for v in params.values()):
         s = ", ".join(
             f"{lt.split('_')[0]}:{p.get('rope_type', 'default')} {p.get('rope_theta'):g}" for lt, p in params.items()
@@ -41,6 +43,9 @@ def _row(name: str, config, cached: str) -> dict:
     }
 
 
+_UNKNOWN = {"family": "?", "layers": "?", "kv_heads": "?", "head_dim": "?"}
+
+
 def model_rows() -> list[dict]:
     from transformers import AutoConfig  # noqa: PLC0415 - transformers' Auto classes load its model registry, slowly: on first use, not with kvlab
 
@@ -52,17 +57,19 @@ def model_rows() -> list[dict]:
             rows.append(_row(name, config, "yes"))
         else:
             rows.append(
-                {
-                    "name": name,
-                    "family": spec.family,
-                    "layers": "?",
-                    "kv_heads": "?",
-                    "head_dim": "?",
-                    "rope": f"(not converted yet; needs {spec.package})",
-                    "cached": "no",
-                }
+                dict(
+                    _UNKNOWN,
+                    name=name,
+                    family=spec.family,
+                    rope=f"(not converted yet; needs {spec.package})",
+                    cached="no",
+                )
             )
     with quiet_transformers():
         for name, (_, factory) in TINY_CONFIGS.items():
-            rows.append(_row(name, factory(), "built"))
+            try:
+                rows.append(_row(name, factory(), "built"))
+            except UnsupportedModelError as e:
+                # A family the installed release does not ship: listed, with the reason.
+                rows.append(dict(_UNKNOWN, name=name, rope=f"({e})", cached="no"))
     return rows

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from kvlab.compat import family_problem, forward, rope_parameters, state_layers
 from kvlab.errors import UnsupportedModelError, UnsupportedRopeError
 from kvlab.models.layout import find_rotary_module, layer_ropes, layer_types, nope_layers
 from kvlab.models.loaded import LoadedModel
@@ -40,7 +41,10 @@ def check_config(config, what: str) -> None:
     )
 
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    mrope = _mrope_problem(getattr(text, "rope_parameters", None))
+    family = family_problem(getattr(text, "model_type", ""))
+    if family:
+        raise UnsupportedModelError(f"{what}: {family}")
+    mrope = _mrope_problem(rope_parameters(text))
     if mrope:
         # Before the causal-LM check, whose refusal would name the class, not the reason.
         raise UnsupportedModelError(f"{what}: {mrope}")
@@ -88,7 +92,7 @@ def check_config(config, what: str) -> None:
             "probe reads) model a sliding window, so a token would see the chunk before its own, silently. kvlab "
             "refuses it (a config without attention_chunk_size has no chunked layers)"
         )
-    params = getattr(text, "rope_parameters", None)
+    params = rope_parameters(text)
     if not params:
         return
     per_type = params if all(isinstance(v, dict) for v in params.values()) else {"default": params}
@@ -97,10 +101,6 @@ def check_config(config, what: str) -> None:
         if problem:
             where = "" if layer_type == "default" else f" ({layer_type} layers)"
             raise UnsupportedModelError(f"{what}{where}: {problem}")
-
-
-#: Cache layer classes whose state kvlab can concatenate and turn: one K/V row per token.
-ATTENTION_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer")
 
 
 def check_cache_layers(config, what: str) -> None:
@@ -113,16 +113,9 @@ def check_cache_layers(config, what: str) -> None:
     prefill of the merged text. Read from the cache transformers itself builds for the config.
     """
     try:
-        layers = DynamicCache(config=config).layers
+        odd = state_layers(config)
     except (ValueError, TypeError, AttributeError, KeyError) as e:
         raise UnsupportedModelError(f"{what}: transformers cannot build a cache for this config ({e})") from None
-    types = layer_types(config) if len(layers) == config.num_hidden_layers else []
-    odd: dict[str, list[int]] = {}
-    for li, layer in enumerate(layers):
-        name = type(layer).__name__
-        if name not in ATTENTION_LAYERS:
-            kind = f"{name} ({types[li]})" if types else name
-            odd.setdefault(kind, []).append(li)
     if odd:
         found = "; ".join(f"{kind} at layer(s) {lis}" for kind, lis in odd.items())
         raise UnsupportedModelError(
@@ -231,8 +224,13 @@ def _one_token_cache(loaded: LoadedModel, ids: torch.Tensor, position: int):
     """The cache of ``ids`` (one token) prefilled alone at ``position``, straight through transformers."""
     cache = DynamicCache(config=loaded.config)
     positions = torch.tensor([[position]], device=loaded.device)
-    loaded.model(
-        input_ids=ids[None].to(loaded.device), position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1
+    forward(
+        loaded.model,
+        cache,
+        input_ids=ids[None].to(loaded.device),
+        position_ids=positions,
+        use_cache=True,
+        logits_to_keep=1,
     )
     return cache
 

@@ -260,7 +260,9 @@ def prepare(names: list[str] | None = None, progress: bool | None = None) -> dic
     names = real_model_names(names)
     if progress is None:
         progress = sys.stderr.isatty()
-    import matplotlib.font_manager  # noqa: F401, PLC0415 - the lab extra's: builds the font cache once, here
+    if importlib.util.find_spec("matplotlib") is not None:
+        # The lab extra's (a store's environment has none): builds the font cache once, here.
+        import matplotlib.font_manager  # noqa: F401, PLC0415
 
     done = {}
     for name in names:

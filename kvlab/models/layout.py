@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvlab.compat import layer_rope_parameters, mla_cache_layout, rotary_for
 from kvlab.errors import UnsupportedRopeError
 from kvlab.models.rope import HALF, LayerRope, Pairing
 
@@ -102,11 +103,12 @@ def nope_layers(config) -> list[bool]:
 def cache_dims(config) -> tuple[int, int, int]:
     """``(kv_heads, key_dim, value_dim)`` of the tensors transformers caches per layer for ``config``.
 
-    ``[batch, kv_heads, kept, key_dim]`` keys and ``[..., value_dim]`` values; a latent-attention
-    cache holds one shared head: the latent (``kv_lora_rank``) and the rotary key (``qk_rope_head_dim``).
+    ``[batch, kv_heads, kept, key_dim]`` keys and ``[..., value_dim]`` values. What a latent-attention
+    cache holds depends on the release (:func:`kvlab.compat.mla_cache_layout`): one shared head, the
+    latent (``kv_lora_rank``) and the rotary key (``qk_rope_head_dim``), or every head's full key and value.
     """
     if is_latent(config):
-        return 1, int(config.kv_lora_rank), int(config.qk_rope_head_dim)
+        return mla_cache_layout(config)[:3]
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -117,7 +119,8 @@ def layout_tags(config) -> list[str]:
     """Short words for what is unusual in a family's layout (``interleaved``, ``MLA``, ``NoPE 1/4``), from its config."""
     tags = ["interleaved"] if config.model_type in INTERLEAVED else []
     if is_latent(config):
-        tags.append(f"MLA rope {config.qk_rope_head_dim} in values")
+        slot, offset = mla_cache_layout(config)[3:]
+        tags.append(f"MLA rope {config.qk_rope_head_dim} in {slot}" + (f" from dim {offset}" if offset else ""))
     nope = nope_layers(config)
     if any(nope):
         tags.append(f"NoPE {sum(nope)}/{len(nope)}")
@@ -134,8 +137,8 @@ def layer_layouts(model: torch.nn.Module) -> list[Layout]:
     config = model.config
     interleaved = config.model_type in INTERLEAVED
     # DeepSeek-V3 and MiniCPM3 turn interleaved weights but write the rotated key de-interleaved.
-    pairing = Pairing(0, interleaved)
-    slot = "values" if is_latent(config) else "keys"
+    slot, offset = mla_cache_layout(config)[3:] if is_latent(config) else ("keys", 0)
+    pairing = Pairing(offset, interleaved)
     inv_freq = _table_inv_freq(find_rotary_module(model)) if emits(config) == "sincos" else None
     return [Layout(pairing, slot, nope, inv_freq) for nope in nope_layers(config)]
 
@@ -162,11 +165,6 @@ def layer_types(config) -> list[str]:
     return list(types) if types else ["default"] * config.num_hidden_layers
 
 
-def _rope_params(config, layer_type: str) -> dict:
-    params = config.rope_parameters
-    return params[layer_type] if layer_type in params else params
-
-
 def layer_ropes(model: torch.nn.Module) -> list[LayerRope]:
     """One :class:`LayerRope` per decoder layer, read from the model's rotary module.
 
@@ -186,15 +184,15 @@ def layer_ropes(model: torch.nn.Module) -> list[LayerRope]:
             out.append(LayerRope(lt, "none", none, 1.0, None, layout.pairing, layout.slot))
             continue
         if lt not in by_type:
-            prefix = f"{lt}_" if hasattr(rotary, f"{lt}_inv_freq") else ""
-            params = _rope_params(config, lt) if getattr(config, "rope_parameters", None) else {}
+            module, prefix = rotary_for(model, rotary, lt)
+            params = layer_rope_parameters(config, lt)
             rope_type = params.get("rope_type", "default")
             inv_freq = layout.inv_freq
             if inv_freq is None:
-                inv_freq = getattr(rotary, f"{prefix}original_inv_freq", None)
+                inv_freq = getattr(module, f"{prefix}original_inv_freq", None)
             if inv_freq is None:
-                inv_freq = getattr(rotary, f"{prefix}inv_freq")
-            scaling = getattr(rotary, f"{prefix}attention_scaling", 1.0)
+                inv_freq = getattr(module, f"{prefix}inv_freq")
+            scaling = getattr(module, f"{prefix}attention_scaling", 1.0)
             omax = params.get("original_max_position_embeddings") if rope_type == "longrope" else None
             if omax is None and rope_type == "longrope":
                 omax = getattr(config, "original_max_position_embeddings", None)

@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from kvlab.compat import rope_init
 from kvlab.errors import PositionError, UnsupportedRopeError
 
 #: Rope types whose frequencies do not depend on the sequence length, so rotations compose.
@@ -150,9 +150,8 @@ def longrope_inv_freq(model: torch.nn.Module, rope: LayerRope, long: bool) -> to
     """The short or long factor set of a longrope layer, as the rotary module computes it."""
     if not long:
         return rope.inv_freq
-    kwargs = {} if rope.layer_type == "default" else {"layer_type": rope.layer_type}
-    inv, _ = ROPE_INIT_FUNCTIONS["longrope"](
-        model.config, None, seq_len=rope.original_max_position_embeddings + 1, **kwargs
+    inv, _ = rope_init(
+        "longrope", model.config, None, seq_len=rope.original_max_position_embeddings + 1, layer_type=rope.layer_type
     )
     return inv.float().to(rope.inv_freq.device)
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from kvlab.compat import META_FORWARD, TRANSFORMERS
 from kvlab.errors import ModelError, UnsupportedModelError
 from kvlab.models.catalog import model_names
 from kvlab.models.checks import check_config, check_module, check_rotation, is_causal_class, skeleton
@@ -88,6 +89,12 @@ def load_model(
         A model kvlab cannot treat (see :func:`check_config`, :func:`check_module`),
         raised before the weights are read; or one failing :func:`check_rotation`.
     """
+    if device is not None and torch.device(device).type == "meta" and not META_FORWARD:
+        raise UnsupportedModelError(
+            f"a model on the meta device cannot run a forward in transformers {TRANSFORMERS} (its rotary modules open "
+            "torch.autocast on the meta device, which torch refuses; transformers skips it from 5.4): load it on a "
+            "real device"
+        )
     if looks_like_path(name):
         path = Path(name).expanduser()
         if not path.exists():
@@ -110,6 +117,9 @@ def load_model(
             loaded = load_gguf(GGUF_MODELS[name], dtype)
     elif isinstance(name, str) and name in TINY_CONFIGS:
         with quiet_transformers():
+            # The same refusals as any model, before it is built: a release may build a family
+            # differently, or not at all (kvlab.compat).
+            check_config(TINY_CONFIGS[name][1](), name)
             model, tokenizer, config = build_tiny(name, dtype)
         loaded = LoadedModel(
             model=model,

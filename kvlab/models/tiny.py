@@ -10,6 +10,8 @@ import torch
 import transformers as tf
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from kvlab.compat import config_class, rope_config
+
 #: 256 byte tokens, then BOS and EOS.
 BYTE_VOCAB = 256
 BOS_ID, EOS_ID = 256, 257
@@ -33,7 +35,7 @@ _MLA = dict(_COMMON, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_n
 
 
 def _llama(rope: dict) -> tf.PretrainedConfig:
-    return tf.LlamaConfig(**_GQA, rope_parameters=rope)
+    return config_class("LlamaConfig")(**_GQA, **rope_config(rope))
 
 
 #: name -> (description, config factory). Each factory returns a fresh config.
@@ -41,11 +43,11 @@ TINY_CONFIGS = {
     "tiny-llama": ("Llama, default RoPE", lambda: _llama({"rope_type": "default", "rope_theta": 10000.0})),
     "tiny-qwen2": (
         "Qwen2, k/v projection bias",
-        lambda: tf.Qwen2Config(**_GQA, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+        lambda: config_class("Qwen2Config")(**_GQA, **rope_config({"rope_type": "default", "rope_theta": 1e6})),
     ),
     "tiny-gemma3": (
         "Gemma 3, hybrid sliding (window 8, base 1e4) / full (base 1e6), k_norm",
-        lambda: tf.Gemma3TextConfig(
+        lambda: config_class("Gemma3TextConfig")(
             **dict(_GQA, num_hidden_layers=4),
             head_dim=16,
             sliding_window=8,
@@ -54,9 +56,12 @@ TINY_CONFIGS = {
     ),
     "tiny-gptneox": (
         "GPT-NeoX, rotary_pct 0.25 (partial rotary)",
-        lambda: tf.GPTNeoXConfig(**_COMMON, rotary_pct=0.25),
+        lambda: config_class("GPTNeoXConfig")(**_COMMON, rotary_pct=0.25),
     ),
-    "tiny-phi": ("Phi, partial_rotary_factor 0.5", lambda: tf.PhiConfig(**_GQA, partial_rotary_factor=0.5)),
+    "tiny-phi": (
+        "Phi, partial_rotary_factor 0.5",
+        lambda: config_class("PhiConfig")(**_GQA, partial_rotary_factor=0.5),
+    ),
     "tiny-llama3": (
         "Llama 3 rope scaling",
         lambda: _llama(
@@ -78,30 +83,32 @@ TINY_CONFIGS = {
     ),
     "tiny-longrope": (
         "Phi-3 longrope, switch at 64 positions",
-        lambda: tf.Phi3Config(
+        lambda: config_class("Phi3Config")(
             **_GQA,
             original_max_position_embeddings=64,
-            rope_parameters={
-                "rope_type": "longrope",
-                "rope_theta": 10000.0,
-                "short_factor": [1.0 + 0.05 * i for i in range(8)],
-                "long_factor": [2.0 + 0.5 * i for i in range(8)],
-                "original_max_position_embeddings": 64,
-            },
+            **rope_config(
+                {
+                    "rope_type": "longrope",
+                    "rope_theta": 10000.0,
+                    "short_factor": [1.0 + 0.05 * i for i in range(8)],
+                    "long_factor": [2.0 + 0.5 * i for i in range(8)],
+                    "original_max_position_embeddings": 64,
+                }
+            ),
         ),
     ),
     "tiny-dynamic": (
         "Llama, dynamic NTK rope",
         lambda: _llama({"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}),
     ),
-    "tiny-cohere": ("Cohere, interleaved rotary pairs (2i, 2i+1)", lambda: tf.CohereConfig(**_GQA)),
+    "tiny-cohere": ("Cohere, interleaved rotary pairs (2i, 2i+1)", lambda: config_class("CohereConfig")(**_GQA)),
     "tiny-glm": (
         "GLM, interleaved pairs on half the head (partial rotary)",
-        lambda: tf.GlmConfig(**_GQA, head_dim=16),
+        lambda: config_class("GlmConfig")(**_GQA, head_dim=16),
     ),
     "tiny-gptj": (
         "GPT-J, interleaved pairs from a sin/cos table, rotary_dim 8 of 16",
-        lambda: tf.GPTJConfig(
+        lambda: config_class("GPTJConfig")(
             vocab_size=VOCAB_SIZE,
             n_embd=64,
             n_layer=3,
@@ -115,11 +122,11 @@ TINY_CONFIGS = {
     ),
     "tiny-smollm3": (
         "SmolLM3, every fourth layer NoPE",
-        lambda: tf.SmolLM3Config(**dict(_GQA, num_hidden_layers=4)),
+        lambda: config_class("SmolLM3Config")(**dict(_GQA, num_hidden_layers=4)),
     ),
     "tiny-cohere2": (
         "Cohere 2, interleaved rope on sliding layers (window 8), NoPE global layer",
-        lambda: tf.Cohere2Config(
+        lambda: config_class("Cohere2Config")(
             **dict(_GQA, num_hidden_layers=4),
             sliding_window=8,
             layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
@@ -127,18 +134,22 @@ TINY_CONFIGS = {
     ),
     "tiny-llama4": (
         "Llama 4 text, interleaved complex rope, every fourth layer NoPE (no chunking, no temperature tuning)",
-        lambda: tf.Llama4TextConfig(
+        lambda: config_class("Llama4TextConfig")(
             **dict(_GQA, num_hidden_layers=4),
             head_dim=16,
             num_local_experts=2,
             intermediate_size_mlp=128,
-            attention_chunk_size=None,
+            # Every layer full, said in the config, so the model is the same on every release: 4.x makes
+            # the NoPE layers chunked unless told, and 4.56 builds the chunked mask (unused here) on
+            # every forward, which needs a chunk size; this one is past max_position_embeddings.
+            attention_chunk_size=8192,
+            layer_types=["full_attention"] * 4,
             attn_temperature_tuning=False,
         ),
     ),
     "tiny-deepseek-v3": (
         "DeepSeek-V3, multi-head latent attention (latent 16, rotary key 8, de-interleaved)",
-        lambda: tf.DeepseekV3Config(
+        lambda: config_class("DeepseekV3Config")(
             **_MLA,
             n_routed_experts=4,
             num_experts_per_tok=2,
@@ -150,11 +161,11 @@ TINY_CONFIGS = {
     ),
     "tiny-deepseek-v2": (
         "DeepSeek-V2, multi-head latent attention, interleaved complex rope",
-        lambda: tf.DeepseekV2Config(
+        lambda: config_class("DeepseekV2Config")(
             **_MLA, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, moe_intermediate_size=32
         ),
     ),
-    "tiny-minicpm3": ("MiniCPM3, multi-head latent attention", lambda: tf.MiniCPM3Config(**_MLA)),
+    "tiny-minicpm3": ("MiniCPM3, multi-head latent attention", lambda: config_class("MiniCPM3Config")(**_MLA)),
 }
 
 

@@ -19,6 +19,7 @@ import kvlab
 from conftest import assert_unchanged, snapshot, tiny
 from kvlab.cache.fragments import prefill_ids
 from kvlab.cache.recompute.strategy import POLICIES, Recompute, fragment_start_positions
+from kvlab.compat import generate
 from kvlab.measure.case import DEFAULT_PROBES, DEFAULT_TEXTS
 from kvlab.measure.fidelity import Fidelity, fidelity
 from kvlab.measure.metrics import kv_diff, max_diff
@@ -218,7 +219,7 @@ def test_never_mutates_or_aliases_inputs(name):
         assert layer.values.untyped_storage().data_ptr() not in inputs
     ids = torch.cat([f.token_ids for f in fs] + [kvlab.tokenize(m, " so")])[None]
     with torch.inference_mode():
-        out = m.model.generate(ids, cache=merged, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+        out = generate(m.model, merged, inputs=ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
     assert out.shape[-1] == ids.shape[-1] + 4
     assert_unchanged(fs, snap)
 

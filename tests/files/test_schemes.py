@@ -8,6 +8,7 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 import kvlab
+from kvlab.compat import rope_parameters, set_rope
 from kvlab.errors import KvlabError
 from kvlab.files import schemes
 from kvlab.models.loaded import LoadedModel
@@ -68,7 +69,8 @@ def test_kvlab_refuses_a_rope_change_of_the_same_weights(tmp_path):
     # vLLM 56311: the same checkpoint served with another rope configuration.
     base = kvlab.load_model("tiny-llama")
     config = copy.deepcopy(base.config)
-    config.rope_parameters = dict(config.rope_parameters, rope_theta=config.rope_parameters["rope_theta"] * 4)
+    params = rope_parameters(config)
+    set_rope(config, dict(params, rope_theta=params["rope_theta"] * 4))
     module = AutoModelForCausalLM.from_config(config)
     module.load_state_dict(base.model.state_dict())
     module.eval()

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
+from kvlab.compat import layer_rope_parameters, rope_parameters, rotary_for
 from kvlab.models.tiny import byte_tokenizer
 from kvlab.testing import KvlabStore, kvlab_shift, rerotate_merge  # noqa: F401 -- kvlab's own, importable from here
 
@@ -26,9 +27,8 @@ from kvlab.testing import KvlabStore, kvlab_shift, rerotate_merge  # noqa: F401 
 
 def _layer_freqs(model, li: int) -> torch.Tensor:
     types = getattr(model.config, "layer_types", None)
-    rotary = model.model.rotary_emb
-    found = getattr(rotary, f"{types[li]}_inv_freq", None) if types else None
-    return rotary.inv_freq if found is None else found
+    module, prefix = rotary_for(model.model, model.model.rotary_emb, types[li] if types else "full_attention")
+    return getattr(module, f"{prefix}inv_freq")
 
 
 def _turn(x, inv_freq, delta, *, interleaved=False, angle_dtype=torch.float64, scale=1.0, dims=None):
@@ -48,7 +48,7 @@ def _turn(x, inv_freq, delta, *, interleaved=False, angle_dtype=torch.float64, s
 
 
 def _refuse_dynamic(model) -> None:
-    params = model.config.rope_parameters
+    params = rope_parameters(model.config)
     kinds = {p.get("rope_type") for p in params.values()} if "rope_type" not in params else {params["rope_type"]}
     if "dynamic" in kinds:
         raise ValueError("dynamic NTK: frequencies depend on the length, so cached keys cannot be moved")
@@ -81,7 +81,7 @@ def _merge(
             if full_rotary:
                 # The defect: frequencies for every dim of the head, as if the whole head rotated.
                 d = layer.keys.shape[-1]
-                base = model.config.rope_parameters["rope_theta"]
+                base = layer_rope_parameters(model.config, "full_attention")["rope_theta"]
                 freqs = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
             how = dict(interleaved=interleaved, angle_dtype=angle_dtype, scale=scale, dims=dims)
             k = _turn(layer.keys, freqs, delta, **how) if delta else layer.keys.clone()

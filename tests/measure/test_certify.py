@@ -8,15 +8,14 @@ import json
 import pytest
 
 import kvlab
-from conftest import tiny
+from conftest import TINY_HERE, tiny
 from kvlab.cli import main
 from kvlab.measure.certificate import FAIL, PASS, REFUSED
 from kvlab.measure.certify import certify
 from kvlab.models.gguf import GGUF_MODELS
-from kvlab.models.tiny import TINY_CONFIGS
 
 #: Tiny models whose every rotation composes: everything must pass.
-COMPOSING = sorted(set(TINY_CONFIGS) - {"tiny-dynamic"})
+COMPOSING = sorted(set(TINY_HERE) - {"tiny-dynamic"})
 
 
 def lines(cert, check):

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import kvlab
-from conftest import tiny
+from conftest import TINY_HERE, tiny
 from kvlab.cache.fragments import clone_cache, prefill_ids, tokenize
+from kvlab.compat import forward
 from kvlab.errors import MergeError
 from kvlab.findings.longctx import make_set
 from kvlab.findings.qa import passage_fragments
@@ -19,7 +20,6 @@ from kvlab.measure.metrics import kl_divergence
 from kvlab.measure.probes import read_probes
 from kvlab.measure.references import context_reference
 from kvlab.measure.room import ProbeCache
-from kvlab.models.tiny import TINY_CONFIGS
 
 TEXTS = ["The first fragment of the case, with some more words.", " The second fragment follows it and goes on."]
 PROBES = [" and", " The keeper counted", " Maren was the keeper's daughter and", " x"]
@@ -50,7 +50,7 @@ def old_read_probe(model, cache, probe: str, greedy_tokens: int = 0, feed: list[
     log_probs, greedy, rows = None, [], []
     for step in range(max(1, greedy_tokens) if feed is None else len(feed) + 1):
         pos = torch.arange(at, at + ids.shape[-1], device=model.device)[None]
-        logits = model.model(input_ids=ids, position_ids=pos, cache=work, use_cache=True, logits_to_keep=1).logits[
+        logits = forward(model.model, work, input_ids=ids, position_ids=pos, use_cache=True, logits_to_keep=1).logits[
             0, -1
         ]
         at += ids.shape[-1]
@@ -114,7 +114,7 @@ def assert_same_reads(m, cache, probes, new, greedy, exact=None):
 LARGE_LOG_PROBS = {"tiny-minicpm3"}
 
 
-@pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
+@pytest.mark.parametrize("name", sorted(TINY_HERE))
 @pytest.mark.parametrize("strategy", ["naive", "reprefill"])
 def test_the_old_reads_to_rounding_on_every_tiny_model(name, strategy):
     # tiny-gemma3's sliding layers (window 8) keep 7 of the 64 merged tokens: the probes and the

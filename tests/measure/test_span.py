@@ -10,6 +10,7 @@ import torch
 import kvlab
 from conftest import tiny
 from kvlab.cache.fragments import clone_cache, tokenize
+from kvlab.compat import forward
 from kvlab.errors import MergeError
 from kvlab.findings import longctx, qa
 from kvlab.measure.case import FidelityReference
@@ -36,7 +37,7 @@ def forced(m, cache, probe, answer):
     feed = tokenize(m, " " + answer).tolist()
     for tok in feed:
         pos = torch.arange(at, at + ids.shape[-1])[None]
-        logits = m.model(input_ids=ids, position_ids=pos, cache=work, use_cache=True).logits[0, -1]
+        logits = forward(m.model, work, input_ids=ids, position_ids=pos, use_cache=True).logits[0, -1]
         rows.append(torch.log_softmax(logits.double(), -1))
         at += ids.shape[-1]
         ids = torch.tensor([[tok]])

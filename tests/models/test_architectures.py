@@ -11,13 +11,16 @@ reads is declared wrong. ``kvlab certify`` on each family is in tests/measure/te
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import transformers as tf
 
 import kvlab
-from conftest import assert_unchanged, snapshot, tiny
+from conftest import assert_unchanged, here, snapshot, tiny
 from kvlab.cache.fragments import clone_cache
+from kvlab.compat import TRANSFORMERS, config_class, family_problem, mla_cache_layout, rope_config, state_layers
 from kvlab.measure.metrics import kv_diff, phase_error
 from kvlab.measure.references import phase_reference
 from kvlab.models import layout
@@ -29,7 +32,7 @@ from kvlab.models.tiny import TINY_SEED, byte_tokenizer
 INTERLEAVED = ["tiny-cohere", "tiny-glm", "tiny-gptj", "tiny-cohere2", "tiny-llama4", "tiny-deepseek-v2"]
 NOPE = ["tiny-smollm3", "tiny-cohere2", "tiny-llama4"]
 LATENT = ["tiny-deepseek-v3", "tiny-deepseek-v2", "tiny-minicpm3"]
-FAMILIES = sorted(set(INTERLEAVED + NOPE + LATENT))
+FAMILIES = here(sorted(set(INTERLEAVED + NOPE + LATENT)))
 # Three fragments, each longer than tiny-cohere2's window of 8, so its sliding layers drop tokens.
 TEXTS = ["Cached keys remember where they were.", " A second fragment of text,", " and a third that lands last."]
 #: fp32, relative to the layer's largest element: measured 2.2e-7 .. 8.6e-7 over these models
@@ -89,7 +92,7 @@ def test_recompute_limits_are_rerotate_and_the_joined_prefill(name):
     assert rel_error(kvlab.merge(frags, "recompute", m, ratio=1.0), kvlab.merge(frags, "reprefill", m)) < 1e-5
 
 
-@pytest.mark.parametrize("name", NOPE)
+@pytest.mark.parametrize("name", here(NOPE))
 def test_nope_layers_are_not_turned_and_are_labelled(name):
     m = tiny(name)
     ropes = layer_ropes(m.model)
@@ -108,19 +111,24 @@ def test_nope_layers_are_not_turned_and_are_labelled(name):
     assert max(float(diffs[li].k.max()) for li in nope) > 1e-3
 
 
-@pytest.mark.parametrize("name", LATENT)
+@pytest.mark.parametrize("name", here(LATENT))
 def test_latent_attention_turns_only_the_rotary_key_in_the_values_slot(name):
     m = tiny(name)
-    assert all(r.slot == "values" and not r.nope for r in layer_ropes(m.model))
+    # The release says what it caches (kvlab.compat.mla_cache_layout): from 5.15 the latent in the keys
+    # slot and the shared rotary key in the values slot; before, every head's cat(k_nope, k_rot) and value.
+    kv_heads, key_dim, value_dim, slot, offset = mla_cache_layout(m.config)
+    assert all(r.slot == slot and r.pairing.offset == offset and not r.nope for r in layer_ropes(m.model))
     frags = [kvlab.prefill(m, t) for t in TEXTS[:2]]
     merged, naive = kvlab.merge(frags, "rerotate", m), kvlab.merge(frags, "naive", m)
+    other = "keys" if slot == "values" else "values"
     for a, b in zip(merged.layers, naive.layers):
-        # The latent (keys slot) carries no position: bit for bit what was cached.
-        assert torch.equal(a.keys, b.keys)
-        assert not torch.equal(a.values, b.values)
-    # A cache file round-trips with the narrower values slot.
+        # What carries no position (the latent, or the values and the keys' k_nope) is bit for bit what was cached.
+        assert torch.equal(getattr(a, other), getattr(b, other))
+        assert torch.equal(getattr(a, slot)[..., :offset], getattr(b, slot)[..., :offset])
+        assert not torch.equal(getattr(a, slot)[..., offset:], getattr(b, slot)[..., offset:])
+    # A cache file round-trips with the slots' own widths.
     geo = kvlab.fingerprint(m)["geometry"]
-    assert (geo["kv_heads"], geo["head_dim"], geo["value_dim"]) == (1, 16, 8)
+    assert (geo["kv_heads"], geo["head_dim"], geo.get("value_dim", geo["head_dim"])) == (kv_heads, key_dim, value_dim)
 
 
 def test_catalogue_fingerprints_of_other_models_carry_no_value_dim():
@@ -152,7 +160,14 @@ def _wrapped():
 @pytest.mark.parametrize("family", sorted(_wrapped()))
 def test_wrapped_families_pass_the_self_test_and_merge_exactly(family):
     torch.manual_seed(TINY_SEED)
-    model = tf.AutoModelForCausalLM.from_config(_wrapped()[family]()).eval()
+    config = _wrapped()[family]()
+    model = tf.AutoModelForCausalLM.from_config(config).eval()
+    problem = family_problem(config.model_type)
+    if problem:
+        # The release builds the family in a way kvlab cannot drive (CodeGen before its rotary module).
+        with pytest.raises(kvlab.UnsupportedModelError, match=f"transformers {re.escape(TRANSFORMERS)}"):
+            kvlab.wrap(model, byte_tokenizer(), name=family)
+        return
     m = kvlab.wrap(model, byte_tokenizer(), name=family)  # the rotation self-test runs here
     frags = [kvlab.prefill(m, t) for t in TEXTS[:2]]
     ref = phase_reference(m, frags)
@@ -184,7 +199,7 @@ def test_wrapped_families_pass_the_self_test_and_merge_exactly(family):
             "keys slot",
         ),
         ("tiny-smollm3", lambda mp: mp.setattr(layout, "nope_layers", lambda c: [True] * 4), "no rope"),
-        ("tiny-minicpm3", lambda mp: mp.setattr(layout, "is_latent", lambda c: False), "keys slot"),
+        ("tiny-deepseek-v2", lambda mp: mp.setattr(layout, "is_latent", lambda c: False), "keys slot, interleaved"),
     ],
 )
 def test_a_wrong_layout_fails_the_self_test_and_the_merge(name, patch, said, monkeypatch):
@@ -244,7 +259,7 @@ def _hybrids():
             "zamba2",
             lambda: tf.Zamba2Config(
                 **dict(COMMON, num_hidden_layers=2),
-                layer_types=["mamba", "hybrid"],
+                layers_block_type=["mamba", "hybrid"],  # 4.x reads only this spelling
                 mamba_d_state=8,
                 mamba_headdim=16,
                 n_mamba_heads=8,
@@ -253,7 +268,7 @@ def _hybrids():
         ("lfm2", lambda: tf.Lfm2Config(**COMMON, layer_types=["conv", "full_attention", "conv", "full_attention"])),
         (
             "qwen3_next",
-            lambda: tf.Qwen3NextConfig(
+            lambda: config_class("Qwen3NextConfig")(
                 **COMMON,
                 head_dim=16,
                 linear_num_value_heads=2,
@@ -271,12 +286,19 @@ def _hybrids():
 
 @pytest.mark.parametrize("family, config", _hybrids(), ids=[f for f, _ in _hybrids()])
 def test_recurrent_and_convolution_hybrids_are_refused_by_name_before_any_work(family, config, tmp_path):
-    cfg = config()
+    try:
+        cfg = config()
+    except kvlab.UnsupportedModelError as e:
+        # A family the release does not ship (Qwen3-Next before 4.57) is refused by name instead.
+        assert f"is not in transformers {TRANSFORMERS}" in str(e)
+        return
     torch.manual_seed(TINY_SEED)
     model = tf.AutoModelForCausalLM.from_config(cfg).eval()
     with pytest.raises(kvlab.UnsupportedModelError, match=rf"\({family}\) is a hybrid") as e:
         kvlab.wrap(model, byte_tokenizer(), name=family)
-    assert "LinearAttention" in str(e.value) and "layer(s)" in str(e.value)
+    # Each kind of state layer is named with its layers, as the release builds the cache (kvlab.compat.state_layers).
+    kinds = state_layers(cfg.get_text_config())
+    assert kinds and all(f"{kind} at layer(s) {lis}" in str(e.value) for kind, lis in kinds.items())
     # From a folder: refused from the config's skeleton, before a weight is read.
     cfg.save_pretrained(tmp_path)
     byte_tokenizer().save_pretrained(tmp_path)
@@ -301,6 +323,8 @@ def test_recurrent_and_convolution_hybrids_are_refused_by_name_before_any_work(f
     ],
 )
 def test_llama4_variants_kvlab_cannot_mask_exactly_are_refused(config, match):
+    if family_problem("llama4_text"):
+        match = "router score"  # 4.56's routing defect is refused first, for every Llama 4
     torch.manual_seed(TINY_SEED)
     model = tf.AutoModelForCausalLM.from_config(config()).eval()
     with pytest.raises(kvlab.UnsupportedModelError, match=match):
@@ -308,7 +332,7 @@ def test_llama4_variants_kvlab_cannot_mask_exactly_are_refused(config, match):
 
 
 def test_mrope_is_refused_with_its_reason():
-    text = dict(COMMON, rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3]})
+    text = dict(COMMON, **rope_config({"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3]}))
     cfg = tf.Qwen2VLConfig(text_config=text, vision_config=dict(depth=1, embed_dim=32, num_heads=2, hidden_size=64))
     model = tf.AutoModelForImageTextToText.from_config(cfg).eval()
     with pytest.raises(

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
 
 from kvlab.cache.fragments import Fragment
+from kvlab.compat import layer_cache_arg, rotary_modules
 from kvlab.errors import MergeError
 from kvlab.models.layout import find_rotary_module, layer_types
 from kvlab.models.loaded import LoadedModel
@@ -53,8 +53,10 @@ class Decoder:
         The input embedding and the rotary module.
     types : list of str
         Per layer, its rope layer type (``default``, or Gemma 3's ``sliding_attention`` ...).
-    typed_rotary : bool
-        Whether the rotary module takes the layer type (one module, per-type frequencies).
+    rotaries : dict
+        Per layer type, the rotary module that computes its embeddings
+        (:func:`kvlab.compat.rotary_modules`: one module with per-type frequencies, or 4.x's Gemma 3
+        global and local modules).
     cache_kw : str
         The name under which a decoder layer takes its cache.
     eager : bool
@@ -70,7 +72,7 @@ class Decoder:
     embed: torch.nn.Module
     rotary: torch.nn.Module
     types: list[str]
-    typed_rotary: bool
+    rotaries: dict
     cache_kw: str
     eager: bool
     device: torch.device
@@ -110,8 +112,7 @@ class Decoder:
         device = model.device
         base, layers = decoder_stack(model.model, config.num_hidden_layers)
         rotary = find_rotary_module(base)
-        params = inspect.signature(layers[0].forward).parameters
-        cache_kw = next((n for n in ("cache", "past_key_values", "layer_past") if n in params), None)
+        cache_kw = layer_cache_arg(layers[0])
         if cache_kw is None:
             raise MergeError(f"{type(layers[0]).__name__}.forward takes no cache argument; cannot recompute through it")
         return cls(
@@ -124,7 +125,7 @@ class Decoder:
             embed=base.get_input_embeddings(),
             rotary=rotary,
             types=layer_types(config),
-            typed_rotary="layer_type" in inspect.signature(rotary.forward).parameters,
+            rotaries=rotary_modules(base, rotary, layer_types(config)),
             cache_kw=cache_kw,
             eager=impl == "eager",
             device=device,

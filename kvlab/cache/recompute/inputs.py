@@ -8,9 +8,10 @@ from transformers import DynamicCache
 from kvlab.cache.recompute.decoder import Decoder, LayerKV, sliding_window
 from kvlab.cache.recompute.write import write_back
 from kvlab.cache.strategies import KeyRotator
+from kvlab.compat import layer_rope_kwargs, rotary_call
 
 
-def position_embeddings(decoder: Decoder, hidden: torch.Tensor, slots: torch.Tensor) -> list:
+def position_embeddings(decoder: Decoder, hidden: torch.Tensor, slots: torch.Tensor) -> list[dict]:
     """The rotary ``(cos, sin)`` of the tokens at ``slots``, per layer.
 
     Computed for all ``N`` positions and then indexed: schedules that pick their
@@ -27,10 +28,11 @@ def position_embeddings(decoder: Decoder, hidden: torch.Tensor, slots: torch.Ten
 
     Returns
     -------
-    list of (torch.Tensor, torch.Tensor) or torch.Tensor
-        Per layer, what the rotary module hands its attention for those tokens: ``cos`` and
-        ``sin``, each ``[1, k, rotary_dim]`` (GPT-J: ``sin``, ``cos`` of ``rotary_dim / 2``), or
-        one complex ``[1, k, rotary_dim / 2]``.
+    list of dict
+        Per layer, the keyword arguments (:func:`kvlab.compat.layer_rope_kwargs`) holding what the
+        rotary module hands its attention for those tokens: ``cos`` and ``sin``, each
+        ``[1, k, rotary_dim]`` (GPT-J: ``sin``, ``cos`` of ``rotary_dim / 2``), or one complex
+        ``[1, k, rotary_dim / 2]``.
     """
     everything = torch.arange(decoder.total, device=decoder.device)[None]
 
@@ -40,11 +42,8 @@ def position_embeddings(decoder: Decoder, hidden: torch.Tensor, slots: torch.Ten
             return pe.index_select(1, slots)
         return tuple(t.index_select(1, slots) for t in pe)
 
-    if not decoder.typed_rotary:
-        pe = pick(decoder.rotary(hidden, everything))
-        return [pe] * len(decoder.layers)
-    by_type = {t: pick(decoder.rotary(hidden, everything, t)) for t in set(decoder.types)}
-    return [by_type[t] for t in decoder.types]
+    by_type = {t: pick(rotary_call(entry, hidden, everything, t)) for t, entry in decoder.rotaries.items()}
+    return [layer_rope_kwargs(layer, t, by_type) for layer, t in zip(decoder.layers, decoder.types)]
 
 
 def attention_mask(

@@ -93,7 +93,7 @@ def run_layers(
                 h,
                 attention_mask=layer_mask,
                 position_ids=pos,
-                position_embeddings=pes[li],
+                **pes[li],
                 **{decoder.cache_kw: writer},
             )
         except _KVWritten:

@@ -21,6 +21,7 @@ import torch
 from transformers import DynamicCache
 
 from kvlab.cache.fragments import new_cache, set_length
+from kvlab.compat import forward, layer_ready
 from kvlab.measure.metrics import phase_error
 from kvlab.measure.phase import beyond_by_kind
 from kvlab.models.layout import layer_ropes
@@ -176,7 +177,7 @@ def snapshot(caches: list[DynamicCache]) -> list[list[tuple]]:
             [
                 (
                     type(layer),
-                    layer.is_initialized,
+                    layer_ready(layer),
                     layer.get_seq_length(),
                     None if layer.keys is None else layer.keys.clone(),
                     None if layer.values is None else layer.values.clone(),
@@ -196,7 +197,7 @@ def changes(caches: list[DynamicCache], snap: list[list[tuple]]) -> list[str]:
             continue
         for li, (layer, (cls, init, length, k, v)) in enumerate(zip(cache.layers, layers, strict=True)):
             what = []
-            if type(layer) is not cls or layer.is_initialized != init:
+            if type(layer) is not cls or layer_ready(layer) != init:
                 what.append("layer object")
             if layer.get_seq_length() != length:
                 what.append(f"length {length} -> {layer.get_seq_length()}")
@@ -270,5 +271,5 @@ def next_log_probs(model: LoadedModel, cache: DynamicCache, ids: torch.Tensor) -
     No positions are given: transformers takes them from the cache (``get_seq_length``), as a
     store's ``generate`` does. ``cache`` grows by ``n`` tokens.
     """
-    out = model.model(input_ids=ids[None].to(model.device), cache=cache, use_cache=True, logits_to_keep=1)
+    out = forward(model.model, cache, input_ids=ids[None].to(model.device), use_cache=True, logits_to_keep=1)
     return torch.log_softmax(out.logits[0, -1].double(), -1)

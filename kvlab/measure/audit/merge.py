@@ -28,6 +28,7 @@ from transformers import DynamicCache
 
 from kvlab.cache.fragments import Fragment, joined_prefill
 from kvlab.cache.merge import merge
+from kvlab.compat import layer_ready
 from kvlab.errors import KvlabError
 from kvlab.measure.audit.compare import (
     first_changes,
@@ -254,7 +255,7 @@ def _length(model: LoadedModel, runs: list[MergeRun], probe: torch.Tensor) -> li
     wrong = [li for li, layer in enumerate(result.layers) if layer.get_seq_length() != total]
     if wrong:
         problems.append(f"layers {wrong} report {sorted({result.layers[li].get_seq_length() for li in wrong})} tokens")
-    uninit = [li for li, layer in enumerate(result.layers) if not layer.is_initialized]
+    uninit = [li for li, layer in enumerate(result.layers) if not layer_ready(layer)]
     if uninit:
         problems.append(f"layers {uninit} never initialized (tensors assigned without update: read as empty)")
     try:

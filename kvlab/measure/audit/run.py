@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 
+from kvlab.compat import untested
 from kvlab.errors import AuditTargetError
 from kvlab.files.identity import fingerprint, package_versions
 from kvlab.measure.audit.merge import LENGTHS, audit_merge
@@ -23,14 +24,17 @@ from kvlab.models.loaded import LoadedModel
 def versions_line() -> Line:
     """An information line: the versions the audit ran under (a merge is only as right as the transformers it ran on)."""
     v = package_versions("kvlab", "torch", "transformers")
+    # Information, not a failure: CI has not run kvlab's tests on this release (kvlab/data/tested.txt).
+    outside = untested()
+    said = ", ".join(f"{k} {v[k]}" for k in ("kvlab", "torch", "transformers"))
     return Line(
         "versions",
         "kvlab, torch, transformers",
-        f"transformers {v.get('transformers')}",
+        f"transformers {v.get('transformers')}" + (" untested" if outside else ""),
         None,
         "",
         INFO,
-        ", ".join(f"{k} {v[k]}" for k in ("kvlab", "torch", "transformers")),
+        said + (f"; untested: {', '.join(outside)}" if outside else ""),
     )
 
 

@@ -17,6 +17,7 @@ or into a new cache it returns. Lines:
 from __future__ import annotations
 
 from kvlab.cache.fragments import Fragment, prefill_ids
+from kvlab.compat import layer_ready
 from kvlab.measure.audit.compare import (
     changes,
     key_error_by_kind,
@@ -182,7 +183,7 @@ def _length(runs: list[ShiftRun]) -> list[Line]:
     wrong = set()
     for run in runs:
         for li, (a, b) in enumerate(zip(run.result.layers, run.frag.cache.layers, strict=True)):
-            if a.keys.shape != b.keys.shape or a.get_seq_length() != b.get_seq_length() or not a.is_initialized:
+            if a.keys.shape != b.keys.shape or a.get_seq_length() != b.get_seq_length() or not layer_ready(a):
                 wrong.add(li)
     n = runs[0].frag.length
     detail = f"layers {sorted(wrong)} hold or report other token counts" if wrong else f"{n} tokens in every layer"
