@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from kvlab.errors import UnsupportedModelError
+from kvlab.errors import ModelError, UnsupportedModelError
 
 #: The installed release, as printed and as a comparable tuple.
 TRANSFORMERS = transformers.__version__
@@ -386,6 +386,58 @@ def state_layers(config) -> dict[str, list[int]]:
         if kind not in _ATTENTION_KINDS:
             out.setdefault(str(kind), []).append(li)
     return out
+
+
+def load_causal_lm(folder: Path, dtype: torch.dtype) -> torch.nn.Module:
+    """``AutoModelForCausalLM.from_pretrained(folder)`` on the installed release, every weight on a real device.
+
+    A file may hold one tensor of a tied pair (``safetensors.torch.save_model``, which kvlab's GGUF
+    conversions use, keeps one name of each shared tensor: for SmolLM2, ``lm_head.weight``). 5.x ties
+    the input embedding from it; 4.x ties the other way and leaves ``embed_tokens`` on the meta device,
+    so the pair is tied here from whichever side was read.
+
+    Raises
+    ------
+    ModelError
+        Weights the file did not hold and no tie restores, named (transformers would initialise them at
+        random, or leave them on the meta device).
+    """
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415 (transformers' Auto classes load slowly)
+
+    model, info = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=dtype, local_files_only=True, output_loading_info=True
+    )
+    unread = set(info.get("missing_keys") or ())
+    inp, out = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = getattr(model.config.get_text_config(), "tie_word_embeddings", False) and out is not None
+    if tied and inp.weight.device.type == "meta":
+        # Both names point at the one (unloaded) parameter: read the tensor under whichever name was kept.
+        names = [n for n, p in model.named_parameters(remove_duplicate=False) if p is inp.weight or p is out.weight]
+        found = _read_tensor(Path(folder), names)
+        if found is not None:
+            inp.weight = torch.nn.Parameter(found.to(dtype), requires_grad=False)
+            out.weight = inp.weight
+            unread -= set(names)
+    # A weight the file lacks is initialised at random by some releases, left on meta by others: neither loads.
+    missing = sorted(unread | {name for name, p in model.named_parameters() if p.device.type == "meta"})
+    if missing:
+        raise ModelError(
+            f"{folder} lacks {len(missing)} weight(s) of its model: {', '.join(missing[:5])}"
+            f"{' ...' if len(missing) > 5 else ''} (transformers {TRANSFORMERS} would leave them unloaded or random)"
+        )
+    return model.eval()
+
+
+def _read_tensor(folder: Path, names: list[str]) -> torch.Tensor | None:
+    """The first of ``names`` found in ``folder``'s safetensors files, or ``None``."""
+    from safetensors import safe_open  # noqa: PLC0415
+
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for name in names:
+                if name in f.keys():
+                    return f.get_tensor(name)
+    return None
 
 
 def config_class(name: str):

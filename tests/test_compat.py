@@ -16,7 +16,7 @@ from packaging.version import Version
 import kvlab
 from conftest import TINY_HERE, TINY_REFUSED
 from kvlab import compat
-from kvlab.errors import UnsupportedModelError
+from kvlab.errors import ModelError, UnsupportedModelError
 from kvlab.models.tiny import TINY_CONFIGS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -134,3 +134,36 @@ def test_untested_names_a_release_outside_the_cells(monkeypatch):
     monkeypatch.setattr(compat, "TRANSFORMERS", "9.9.9")
     monkeypatch.setattr(torch, "__version__", "9.0.0+cpu")
     assert compat.untested() == ["transformers 9.9.9", "torch 9.0.0+cpu"]
+
+
+def _tied_folder(tmp_path: Path, drop: tuple[str, ...]) -> tuple[Path, dict]:
+    """A tiny tied-embedding Llama saved as kvlab's conversions save one: each tied pair under one name."""
+    import transformers as tf
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    config = compat.config_class("LlamaConfig")(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    model = tf.AutoModelForCausalLM.from_config(config)
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k not in drop}
+    config.save_pretrained(tmp_path)
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    return tmp_path, state
+
+
+def test_a_tied_embedding_kept_under_either_name_loads_on_every_release(tmp_path):
+    # 4.x ties the output embedding from the input one and left embed_tokens on meta when only lm_head was kept.
+    for kept in ("lm_head.weight", "model.embed_tokens.weight"):
+        other = "model.embed_tokens.weight" if kept == "lm_head.weight" else "lm_head.weight"
+        folder, state = _tied_folder(tmp_path / kept, (other,))
+        model = compat.load_causal_lm(folder, torch.float32)
+        assert torch.equal(model.get_input_embeddings().weight, state[kept])
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+
+
+def test_a_weight_the_file_lacks_is_refused_by_name(tmp_path):
+    folder, _ = _tied_folder(tmp_path, ("lm_head.weight", "model.layers.0.mlp.up_proj.weight"))
+    with pytest.raises(ModelError, match=r"lacks 1 weight\(s\) of its model: model\.layers\.0\.mlp\.up_proj\.weight"):
+        compat.load_causal_lm(folder, torch.float32)

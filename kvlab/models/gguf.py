@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import save_model
 
 from kvlab.atomic import atomic_dir, atomic_path, atomic_write_text
+from kvlab.compat import load_causal_lm
 from kvlab.errors import ModelError
 from kvlab.models.digests import store_tokenizer_digest
 from kvlab.models.loaded import LoadedModel, cache_root, notice, quiet_gguf_reader, quiet_transformers
@@ -280,11 +281,10 @@ def prepare(names: list[str] | None = None, progress: bool | None = None) -> dic
 
 
 def load_gguf(spec: GGUFSpec, dtype: torch.dtype) -> LoadedModel:
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 - transformers' Auto classes load its model registry, slowly: on first use, not with kvlab
+    from transformers import AutoTokenizer  # noqa: PLC0415 - transformers' Auto classes load its model registry, slowly: on first use, not with kvlab
 
     folder = converted(spec)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
-    model.eval()
+    model = load_causal_lm(folder, dtype)
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     source = json.loads((folder / "kvlab-source.json").read_text())
     source["folder"] = str(folder)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from kvlab.compat import META_FORWARD, TRANSFORMERS
+from kvlab.compat import META_FORWARD, TRANSFORMERS, load_causal_lm
 from kvlab.errors import ModelError, UnsupportedModelError
 from kvlab.models.catalog import model_names
 from kvlab.models.checks import check_config, check_module, check_rotation, is_causal_class, skeleton
@@ -225,7 +225,7 @@ def folder_digest(folder: Path) -> tuple[str, dict[str, str]]:
 
 
 def _load_folder(folder: Path, dtype: torch.dtype) -> LoadedModel:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 - transformers' Auto classes load its model registry, slowly: on first use, not with kvlab
+    from transformers import AutoConfig, AutoTokenizer  # noqa: PLC0415 - transformers' Auto classes load its model registry, slowly: on first use, not with kvlab
 
     folder = folder.resolve()
     if not (folder / "config.json").is_file():
@@ -246,10 +246,9 @@ def _load_folder(folder: Path, dtype: torch.dtype) -> LoadedModel:
         ) from None
     digest, files = folder_digest(folder)
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
+        model = load_causal_lm(folder, dtype)
     except (OSError, ValueError, ImportError) as e:
         raise ModelError(f"transformers could not load the weights in {folder}: {e}") from None
-    model.eval()
     source = {
         "kind": "folder",
         "name": folder.name,
