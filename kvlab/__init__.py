@@ -10,6 +10,7 @@ evaluation set and findings (``kvlab.findings``), notebooks and studies (``kvlab
 second import path.
 """
 
+from kvlab.cache.compact import compact
 from kvlab.cache.fragments import Fragment, joined_prefill, prefill, tokenize
 from kvlab.cache.merge import landing_positions, merge
 from kvlab.cache.recompute.strategy import Recompute
@@ -19,6 +20,7 @@ from kvlab.errors import (
     AuditTargetError,
     CacheFileError,
     CacheFileWarning,
+    CompactError,
     FingerprintMismatch,
     KvlabError,
     MergeError,
@@ -49,6 +51,7 @@ __all__ = [
     # errors a caller of the functions below catches (every other type: kvlab.errors)
     "KvlabError", "ModelError", "UnsupportedModelError", "UnsupportedRopeError", "MergeError", "PositionError",
     "FingerprintMismatch", "CacheFileError", "CacheFileWarning", "PeerError", "AuditTargetError",
+    "CompactError",
     # models: load one, or wrap a live one; its rotary layout
     "DEFAULT_MODEL", "LoadedModel", "load_model", "load_gguf_file", "wrap", "model_names", "layer_ropes",
     "rotate_keys",
@@ -56,7 +59,7 @@ __all__ = [
     "Fragment", "prefill", "joined_prefill", "tokenize",
     # strategies (one class each, behind a registry), the merge, the in-place shift
     "Strategy", "Naive", "Fail", "Reprefill", "Rerotate", "Recompute", "register", "strategy_names",
-    "merge", "landing_positions", "shift_",
+    "merge", "landing_positions", "shift_", "compact",
     # cache files
     "save_cache", "load_cache", "verify_file", "read_header", "fingerprint", "Difference", "STRICT_FIELDS",
     # certificates: kvlab's merge on a model, a store's own merge, shift and files

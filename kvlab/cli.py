@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from kvlab.cache.compact import POSITIONS
 from kvlab.errors import AuditTargetError, KvlabError
 from kvlab.files.identity import package_versions, show
 from kvlab.files.inspect import inspect_file, inspect_folder, load_into
@@ -68,17 +69,25 @@ def _check(args) -> int:
 
 def _certify(args) -> int:
     torch.manual_seed(0)
-    targets = {"merge": args.merge, "shift": args.shift, "store": args.store}
+    targets = {
+        "merge": args.merge, "shift": args.shift, "store": args.store, "compact": args.compact, "press": args.press
+    }  # fmt: skip
     if args.engine_merge:
         if any(targets.values()):
-            raise AuditTargetError("--engine-merge is audited on its own: drop --merge, --shift and --store")
+            raise AuditTargetError(
+                "--engine-merge is audited on its own: drop --merge, --shift, --store, --compact and --press"
+            )
         spec = llama_cpp_cache_reuse if args.engine_merge == LLAMA_CPP else args.engine_merge
         cert = audit_engine(load_model(args.model), resolve(ENGINE, spec))
     elif any(targets.values()):
         # Every target imported and its signature read before the model loads: a bad one costs nothing.
         resolved = {kind: resolve(kind, spec) for kind, spec in targets.items() if spec}
-        cert = audit(load_model(args.model), **resolved)
+        if args.positions is None and (args.compact or args.press):
+            raise AuditTargetError("--compact and --press need --positions kept or --positions original")
+        cert = audit(load_model(args.model), **resolved, positions=args.positions)
     else:
+        if args.positions:
+            raise AuditTargetError("--positions applies to --compact or --press; neither was given")
         cert = certify(load_model(args.model))
     print(cert.table(verbose=args.verbose))
     if args.json:
@@ -354,6 +363,24 @@ def parser() -> argparse.ArgumentParser:
         "--store",
         metavar="MODULE:OBJECT",
         help="a store: OBJECT.save(cache, path[, model]), OBJECT.load(path[, model])",
+    )
+    audit.add_argument(
+        "--compact",
+        metavar="MODULE:FUNCTION",
+        help="a compaction: FUNCTION(cache, keep[, model]) -> DynamicCache holding, per layer and head, the tokens "
+        "keep names (needs --positions)",
+    )
+    audit.add_argument(
+        "--press",
+        metavar="MODULE:FUNCTION",
+        help="a press: FUNCTION(model, input_ids) -> the DynamicCache kept after prefilling and compressing "
+        "(needs --positions)",
+    )
+    audit.add_argument(
+        "--positions",
+        choices=POSITIONS,
+        help="where a compaction's or press's kept keys sit: kept (re-rotated to the kept slots, next token at "
+        "kept) or original (their own phase, next token at the original length)",
     )
     audit.add_argument(
         "--engine-merge",

@@ -296,6 +296,14 @@ def layer_ready(layer) -> bool:
     return getattr(layer, "keys", None) is not None
 
 
+def mask_query_length(query) -> int:
+    """The new tokens' count from a cache layer's ``get_mask_sizes`` argument.
+
+    5.x passes the query length itself; 4.x passes the new tokens' ``cache_position`` (``[q]``).
+    """
+    return query if isinstance(query, int) else int(query.shape[-1])
+
+
 def initialize_layer(layer, keys: torch.Tensor, values: torch.Tensor) -> None:
     """Initialise an empty cache layer for tensors like ``keys``/``values`` (``[batch, kv_heads, *, dim]``)."""
     if _LAZY_TAKES_VALUE:

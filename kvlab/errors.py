@@ -24,6 +24,10 @@ class MergeError(KvlabError):
     """Fragments cannot be merged as asked: incompatible geometry, no source, or a refused strategy."""
 
 
+class CompactError(MergeError):
+    """A compaction cannot run as asked: a keep list of the wrong shape, order or range, or an unknown convention."""
+
+
 class PositionError(MergeError):
     """A position lies outside what the model's rotary schedule supports."""
 

@@ -1,7 +1,9 @@
 """pytest helpers for a store's own CI: its merge, shift or store audited on a model, failing with the lines.
 
-Also kvlab's own merge, shift and cache files behind the same contract (:func:`rerotate_merge`,
-:func:`kvlab_shift`, :class:`KvlabStore`): what passes every line, to compare a store's with or to use.
+Also kvlab's own merge, shift, cache files, compactions and presses behind the same contract
+(:func:`rerotate_merge`, :func:`kvlab_shift`, :class:`KvlabStore`, :func:`rerotate_compact`,
+:func:`inplace_compact`, :func:`key_norm_press`, :func:`key_norm_rerotation_press`): what passes every
+line, to compare a store's with or to use.
 
 .. code-block:: python
 
@@ -22,7 +24,8 @@ import functools
 
 from transformers import DynamicCache
 
-from kvlab.cache.fragments import Fragment
+from kvlab.cache.compact import KEPT, ORIGINAL, compact, top_key_norms
+from kvlab.cache.fragments import Fragment, prefill_ids
 from kvlab.cache.merge import merge
 from kvlab.cache.shift import shift_
 from kvlab.files.io import load_cache, save_cache
@@ -98,6 +101,29 @@ def assert_store_conforms(store, model: str | LoadedModel = DEFAULT_AUDIT_MODEL,
     return _check(model, store=store, **options)
 
 
+def assert_compact_conforms(
+    fn, model: str | LoadedModel = DEFAULT_AUDIT_MODEL, *, positions: str, **options
+) -> Certificate:
+    """Fail unless ``fn(cache, keep[, model])`` passes every line of a compaction audit on ``model``.
+
+    Parameters
+    ----------
+    fn : callable or str
+        The compaction, or ``MODULE:NAME``.
+    positions : {"kept", "original"}
+        Where its kept keys sit: re-rotated to the kept slots (next token at ``kept``), or at their
+        own phase (next token at the original length).
+    """
+    return _check(model, compact=fn, positions=positions, **options)
+
+
+def assert_press_conforms(
+    fn, model: str | LoadedModel = DEFAULT_AUDIT_MODEL, *, positions: str, **options
+) -> Certificate:
+    """Fail unless ``fn(model, input_ids)`` (a prefill and its compression) passes every line of a press audit."""
+    return _check(model, press=fn, positions=positions, **options)
+
+
 def assert_engine_merge_conforms(
     fn=llama_cpp_cache_reuse, model: str | LoadedModel = "smollm2-135m", **options
 ) -> Certificate:
@@ -153,6 +179,49 @@ def rerotate_merge(caches: list[DynamicCache], model) -> DynamicCache:
 def kvlab_shift(cache: DynamicCache, delta: int, model) -> None:
     """kvlab's ``shift_`` as a store's shift: ``cache`` (from position 0) turned by ``delta`` positions in place."""
     shift_(cache, delta, _bare(model))
+
+
+def rerotate_compact(cache: DynamicCache, keep: list, model) -> DynamicCache:
+    """kvlab's compaction with ``positions=kept``: the kept keys re-rotated to their slots, the next token at ``kept``.
+
+    Parameters
+    ----------
+    cache : DynamicCache
+        Keys and values ``[batch, kv_heads, n, head_dim]`` per layer, prefilled from 0; never changed.
+    keep : list of torch.Tensor
+        One ``[batch, kv_heads, k]`` tensor of ascending positions per layer.
+    model : transformers.PreTrainedModel
+    """
+    return compact(cache, keep, _bare(model), positions=KEPT)
+
+
+def inplace_compact(cache: DynamicCache, keep: list, model) -> DynamicCache:
+    """kvlab's compaction with ``positions=original``: every kept key keeps its phase, the next token goes at ``n``."""
+    return compact(cache, keep, _bare(model), positions=ORIGINAL)
+
+
+#: The fraction of each layer's tokens kvlab's example presses keep.
+PRESS_RATIO = 0.5
+
+
+def key_norm_press(model, input_ids) -> DynamicCache:
+    """An example press (``positions=original``): prefill, then keep each head's half of tokens with the largest key norms.
+
+    Parameters
+    ----------
+    input_ids : torch.Tensor
+        ``[1, n]`` token ids, prefilled from 0.
+    """
+    loaded = _bare(model)
+    cache = prefill_ids(loaded, input_ids)
+    return compact(cache, top_key_norms(cache, PRESS_RATIO), loaded, positions=ORIGINAL)
+
+
+def key_norm_rerotation_press(model, input_ids) -> DynamicCache:
+    """:func:`key_norm_press` with its kept keys re-rotated to the kept slots (``positions=kept``)."""
+    loaded = _bare(model)
+    cache = prefill_ids(loaded, input_ids)
+    return compact(cache, top_key_norms(cache, PRESS_RATIO), loaded, positions=KEPT)
 
 
 class KvlabStore:

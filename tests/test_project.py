@@ -58,6 +58,7 @@ PUBLIC_API = {
     # errors a caller of the functions below catches
     "KvlabError", "ModelError", "UnsupportedModelError", "UnsupportedRopeError", "MergeError", "PositionError",
     "FingerprintMismatch", "CacheFileError", "CacheFileWarning", "PeerError", "AuditTargetError",
+    "CompactError",
     # models
     "DEFAULT_MODEL", "LoadedModel", "load_model", "load_gguf_file", "wrap", "model_names", "layer_ropes",
     "rotate_keys",
@@ -65,7 +66,7 @@ PUBLIC_API = {
     "Fragment", "prefill", "joined_prefill", "tokenize",
     # strategies, merge, shift
     "Strategy", "Naive", "Fail", "Reprefill", "Rerotate", "Recompute", "register", "strategy_names",
-    "merge", "landing_positions", "shift_",
+    "merge", "landing_positions", "shift_", "compact",
     # cache files
     "save_cache", "load_cache", "verify_file", "read_header", "fingerprint", "Difference", "STRICT_FIELDS",
     # certificates

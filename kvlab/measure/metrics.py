@@ -120,7 +120,8 @@ class LayerPhase:
     Attributes
     ----------
     positions : torch.Tensor
-        ``[T]``.
+        ``[T]``, or ``[kv_heads, T]`` where each head holds other tokens (a compacted cache): the
+        positions whose fp32 angle rounding the resolution allows for.
     angle : torch.Tensor
         ``[kv_heads, T, rotary_dim // 2]`` in radians, in ``[0, pi]``; pair ``i`` (in the layer's pairing) is
         those two dimensions at frequency ``inv_freq[i]``. NaN where the pair
@@ -168,9 +169,9 @@ class LayerPhase:
         roundings of product and argument). Capped at pi.
         """
         pos = self.positions.to(self.inv_freq.device, torch.float64)
-        arg = 2 * _FP32_U * (pos[:, None] * self.inv_freq.double()[None, :])  # [T, pairs]
+        arg = 2 * _FP32_U * (pos[..., None] * self.inv_freq.double())  # [T, pairs], or [kv_heads, T, pairs]
         noise = math.sqrt(2) * rel_noise * self.key_scale / self.norm.double().clamp_min(1e-30)
-        return (arg[None] + noise).clamp_max(math.pi).float()
+        return ((arg[None] if arg.ndim == 2 else arg) + noise).clamp_max(math.pi).float()
 
 
 def phase_error(

@@ -111,7 +111,12 @@ def own_noise(cache: DynamicCache, exact: DynamicCache, model: LoadedModel) -> f
 
 
 def key_error_by_kind(
-    cache: CacheView, exact: CacheView, model: LoadedModel, floor: float, offset: int = 0
+    cache: CacheView,
+    exact: CacheView,
+    model: LoadedModel,
+    floor: float,
+    offset: int = 0,
+    positions: list[torch.Tensor] | None = None,
 ) -> dict[str, tuple[float, str]]:
     """Per layer kind, the worst error of the phase-carrying slot in units of rounding, and what it was.
 
@@ -131,6 +136,9 @@ def key_error_by_kind(
         From :func:`tails`: the cache under test and the float64 reference, same kept tokens.
     offset : int
         Added to every position (a shifted cache holds positions ``offset ..``).
+    positions : list of torch.Tensor, optional
+        Per layer, ``[kv_heads, T]`` the positions whose fp32 angle rounding to allow for, where
+        each head holds other tokens (a compacted cache); replaces the layer's own positions.
 
     Returns
     -------
@@ -138,6 +146,8 @@ def key_error_by_kind(
         ``kind -> (value, part)``, ``part`` the one of the three that is worst.
     """
     phases = phase_error(cache, exact, model)
+    if positions is not None:
+        phases = [dataclasses.replace(p, positions=pos.cpu()) for p, pos in zip(phases, positions, strict=True)]
     if offset:
         phases = [dataclasses.replace(p, positions=p.positions + offset) for p in phases]
     out = {

@@ -1,4 +1,4 @@
-"""``kvlab certify MODEL --merge/--shift/--store MODULE:NAME``: a store's own code audited on one model.
+"""``kvlab certify MODEL --merge/--shift/--store/--compact/--press MODULE:NAME``: a store's own code audited on one model.
 
 :func:`audit` resolves every target first (an :class:`~kvlab.errors.AuditTargetError` before any
 work when one cannot be audited), then runs each audit and returns one
@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import time
 
+from kvlab.cache.compact import POSITIONS
 from kvlab.compat import untested
 from kvlab.errors import AuditTargetError
 from kvlab.files.identity import fingerprint, package_versions
+from kvlab.measure.audit.compact import audit_compact
 from kvlab.measure.audit.merge import LENGTHS, audit_merge
 from kvlab.measure.audit.shift import audit_shift
 from kvlab.measure.audit.store import audit_store
-from kvlab.measure.audit.target import MERGE, SHIFT, STORE, resolve
+from kvlab.measure.audit.target import COMPACT, MERGE, PRESS, SHIFT, STORE, resolve
 from kvlab.measure.certificate import INFO, Certificate, Line
 from kvlab.models.loaded import LoadedModel
 
@@ -44,6 +46,9 @@ def audit(
     merge=None,
     shift=None,
     store=None,
+    compact=None,
+    press=None,
+    positions: str | None = None,
     lengths: tuple[int, ...] = LENGTHS,
     seed: int = 0,
 ) -> Certificate:
@@ -52,9 +57,12 @@ def audit(
     Parameters
     ----------
     model : LoadedModel
-    merge, shift, store : callable, object or str, optional
+    merge, shift, store, compact, press : callable, object or str, optional
         The function (object), or ``MODULE:NAME`` to import it from; see
         :mod:`kvlab.measure.audit.target` for the contract each must follow.
+    positions : {"kept", "original"}, optional
+        Where a compaction's or press's kept keys sit (:mod:`kvlab.cache.compact`); required with
+        ``compact`` or ``press``.
     lengths : tuple of int
         Base fragment lengths of the merge's phase line.
     seed : int
@@ -68,12 +76,21 @@ def audit(
     Raises
     ------
     AuditTargetError
-        Nothing to audit, a target that cannot be imported, a signature outside the contract, or
-        a call that returned something other than a cache.
+        Nothing to audit, a target that cannot be imported, a signature outside the contract, a
+        compaction or press without its ``positions``, or a call that returned something other
+        than a cache.
     """
-    asked = [(kind, x) for kind, x in ((MERGE, merge), (SHIFT, shift), (STORE, store)) if x is not None]
+    kinds = ((MERGE, merge), (SHIFT, shift), (STORE, store), (COMPACT, compact), (PRESS, press))
+    asked = [(kind, x) for kind, x in kinds if x is not None]
     if not asked:
-        raise AuditTargetError("nothing to audit: give a merge, a shift or a store")
+        raise AuditTargetError("nothing to audit: give a merge, a shift, a store, a compaction or a press")
+    if (compact is not None or press is not None) and positions not in POSITIONS:
+        raise AuditTargetError(
+            f"a compaction or press declares where its kept keys sit: positions must be one of {POSITIONS}, "
+            f"got {positions!r} (kept: re-rotated to the kept slots; original: their own phase, next token at n)"
+        )
+    if positions is not None and compact is None and press is None:
+        raise AuditTargetError("positions applies to a compaction or a press; none was given")
     targets = [(kind, resolve(kind, x)) for kind, x in asked]
     t0 = time.perf_counter()
     lines = [versions_line()]
@@ -82,6 +99,8 @@ def audit(
             got = audit_merge(model, target, lengths=lengths, seed=seed)
         elif kind == SHIFT:
             got = audit_shift(model, target, seed=seed)
+        elif kind in (COMPACT, PRESS):
+            got = audit_compact(model, target, positions=positions, seed=seed)
         else:
             got = audit_store(model, target, seed=seed)
         if len(targets) > 1:

@@ -9,6 +9,12 @@ The contract (``docs/audit.md``), in the shape stores use:
   positions, in place (returning ``None`` or the cache) or into a new cache it returns.
 * store: an object with ``save(cache, path)`` (or ``save(cache, path, model)``) and
   ``load(path)`` (or ``load(path, model)``), the model being the one that reads.
+* compact: ``fn(cache, keep)`` or ``fn(cache, keep, model)``: ``cache`` a ``DynamicCache`` prefilled
+  from 0 with ``n`` tokens, ``keep`` one ``[batch, kv_heads, k]`` LongTensor of ascending positions
+  per layer (other tokens per head). Returns a cache whose layer ``l``, head ``h``, slot ``j`` holds
+  token ``keep[l][b, h, j]``, at the positions the store declares (``kept`` or ``original``).
+* press: ``fn(model, input_ids)``: ``input_ids`` ``[1, n]``. Returns the cache the store keeps after
+  prefilling and compressing (it chooses the tokens; the audit reads them from the values).
 * engine merge: ``fn(engine, fragments)``: ``engine`` a :class:`kvlab.peers.engine.LlamaEngine`
   (one llama.cpp context, one sequence per fragment), ``fragments`` the token ids ``[L_i]`` of each
   fragment in landing order. Leaves the merge in sequence 0, as llama.cpp's ``--cache-reuse`` does
@@ -35,6 +41,7 @@ from transformers import DynamicCache
 from kvlab.errors import AuditTargetError
 
 MERGE, SHIFT, STORE, ENGINE = "merge", "shift", "store", "engine merge"
+COMPACT, PRESS = "compact", "press"
 
 #: Per kind, the positional arguments the contract allows, fewest first (the model comes last).
 SIGNATURES = {
@@ -43,6 +50,8 @@ SIGNATURES = {
     "save": (("cache", "path"), ("cache", "path", "model")),
     "load": (("path",), ("path", "model")),
     ENGINE: (("engine", "fragments"),),
+    COMPACT: (("cache", "keep"), ("cache", "keep", "model")),
+    PRESS: (("model", "input_ids"),),
 }
 
 
@@ -233,9 +242,10 @@ def resolve(kind: str, obj_or_spec) -> Target | Store:
     obj = load_object(obj_or_spec) if isinstance(obj_or_spec, str) else obj_or_spec
     if kind == STORE:
         return Store.of(obj, name)
-    if kind not in (MERGE, SHIFT, ENGINE):
+    if kind not in (MERGE, SHIFT, ENGINE, COMPACT, PRESS):
         raise AuditTargetError(
-            f"unknown audit kind {kind!r}; kvlab audits a merge, a shift, a store or an engine merge"
+            f"unknown audit kind {kind!r}; kvlab audits a merge, a shift, a store, a compaction, a press "
+            "or an engine merge"
         )
     return Target.of(obj, name, kind)
 
