@@ -24,7 +24,7 @@ import functools
 
 from transformers import DynamicCache
 
-from kvlab.cache.compact import KEPT, ORIGINAL, compact, top_key_norms
+from kvlab.cache.compact import KEPT, ORIGINAL, compact, low_key_norms
 from kvlab.cache.fragments import Fragment, prefill_ids
 from kvlab.cache.merge import merge
 from kvlab.cache.shift import shift_
@@ -205,7 +205,7 @@ PRESS_RATIO = 0.5
 
 
 def key_norm_press(model, input_ids) -> DynamicCache:
-    """An example press (``positions=original``): prefill, then keep each head's half of tokens with the largest key norms.
+    """An example press (``positions=original``): prefill, then keep each head's half of tokens with the smallest key norms.
 
     Parameters
     ----------
@@ -214,14 +214,14 @@ def key_norm_press(model, input_ids) -> DynamicCache:
     """
     loaded = _bare(model)
     cache = prefill_ids(loaded, input_ids)
-    return compact(cache, top_key_norms(cache, PRESS_RATIO), loaded, positions=ORIGINAL)
+    return compact(cache, low_key_norms(cache, PRESS_RATIO), loaded, positions=ORIGINAL)
 
 
 def key_norm_rerotation_press(model, input_ids) -> DynamicCache:
     """:func:`key_norm_press` with its kept keys re-rotated to the kept slots (``positions=kept``)."""
     loaded = _bare(model)
     cache = prefill_ids(loaded, input_ids)
-    return compact(cache, top_key_norms(cache, PRESS_RATIO), loaded, positions=KEPT)
+    return compact(cache, low_key_norms(cache, PRESS_RATIO), loaded, positions=KEPT)
 
 
 class KvlabStore:

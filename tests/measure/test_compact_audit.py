@@ -114,7 +114,7 @@ TEETH = [
     ("in_place_at_kept", "compact", "original", "tiny-llama", {"length"}, "the gap n - kept is 24"),
     ("assigned_layers", "compact", "kept", "tiny-llama",
      {"length", "keep all"} if ASSIGNED_LAYERS_READ_EMPTY else set(), "never initialized"),
-    ("plain_sliding_layers", "compact", "kept", "tiny-gemma3", {"length", "sliding window"}, "could not read"),
+    ("plain_sliding_layers", "compact", "kept", "tiny-gemma3", {"length"}, ""),
     ("trims_its_input", "compact", "kept", "tiny-llama", {"by reference"}, "input layer"),
     ("next_tokens", "compact", "kept", "tiny-llama", {"kept tokens", "phase", "values", "keep all"}, "keep asks for"),
     ("press_at_kept", "press", "original", "tiny-llama", {"length"}, "the gap n - kept is 24"),
@@ -122,10 +122,16 @@ TEETH = [
 ]  # fmt: skip
 
 
+#: Lines a defect may fail too, by release: transformers' own sliding layer, holding fewer tokens than it counts,
+#: makes 5.x's attention raise (so the sliding window line cannot read it either), while 4.x builds its mask
+#: another way and reads the next token, silently, at other positions (only the length line sees it).
+ALSO = {"plain_sliding_layers": {"sliding window"}}
+
+
 @pytest.mark.parametrize("name, kind, positions, model, named, words", TEETH, ids=[t[0] for t in TEETH])
 def test_each_wrong_compaction_fails_exactly_its_lines(name, kind, positions, model, named, words):
     cert = certificate(model, kind, name, positions)
-    assert failing(cert) == named, cert.table(verbose=True)
+    assert named <= failing(cert) <= named | ALSO.get(name, set()), cert.table(verbose=True)
     if named:
         first = next(x for x in cert.lines if x.failed)
         assert words in first.scope + " " + first.detail, first.detail
@@ -239,3 +245,21 @@ def test_cli_audits_a_compaction_with_exit_codes_and_json(tmp_path, capsys, monk
     assert "angle wrong" in capsys.readouterr().out
     assert main(["certify", "tiny-llama", "--compact", "kvlab.testing:rerotate_compact"]) == 2
     assert "need --positions" in capsys.readouterr().err
+
+
+# -- on a real model -----------------------------------------------------------------------------------------------
+
+REAL_TEETH = [
+    ("not_rerotated", "compact", "kept", {"phase", "refusal"}),
+    ("off_by_one", "compact", "kept", {"phase", "keep all"}),
+    ("in_place_at_kept", "compact", "original", {"length"}),
+    ("press_at_kept", "press", "original", {"length"}),
+]
+
+
+@pytest.mark.real
+def test_on_smollm2_kvlabs_compaction_passes_and_each_defect_fails_its_lines(smollm2):
+    assert audit(smollm2, compact=rerotate_compact, positions="kept").passed
+    for name, kind, positions, named in REAL_TEETH:
+        cert = audit(smollm2, **{kind: getattr(T, name)}, positions=positions)
+        assert failing(cert) == named, (name, cert.table(verbose=True))

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from kvlab.cache.compact import KEPT, ORIGINAL, compact, declared_positions, held_positions, rebuild, top_key_norms
+from kvlab.cache.compact import KEPT, ORIGINAL, compact, declared_positions, held_positions, low_key_norms, rebuild
 from kvlab.cache.fragments import clone_cache, prefill_ids, tokenize
 from kvlab.compat import forward, layer_ready
 from kvlab.errors import KvlabError
@@ -601,7 +601,7 @@ def _context(model: LoadedModel, target: Target, positions: str, refusal: str | 
 
     def measure() -> list[Line]:
         if target.kind == COMPACT:
-            keep = top_key_norms(full, ratio)
+            keep = low_key_norms(full, ratio)
             result = expect_cache(target.call(clone_cache(full, model.config), keep, model.model), target.name, scope)
         else:
             result = expect_cache(target.call(model.model, ids[None].clone()), target.name, scope)
