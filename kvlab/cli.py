@@ -14,6 +14,7 @@ from kvlab.cache.compact import POSITIONS
 from kvlab.errors import AuditTargetError, KvlabError
 from kvlab.files.identity import package_versions, show
 from kvlab.files.inspect import inspect_file, inspect_folder, load_into
+from kvlab.measure.audit.compact import CACHE, READERS
 from kvlab.measure.audit.run import audit
 from kvlab.measure.audit.target import ENGINE, resolve
 from kvlab.measure.certify import certify
@@ -84,10 +85,10 @@ def _certify(args) -> int:
         resolved = {kind: resolve(kind, spec) for kind, spec in targets.items() if spec}
         if args.positions is None and (args.compact or args.press):
             raise AuditTargetError("--compact and --press need --positions kept or --positions original")
-        cert = audit(load_model(args.model), **resolved, positions=args.positions)
+        cert = audit(load_model(args.model), **resolved, positions=args.positions, reader=args.reader)
     else:
-        if args.positions:
-            raise AuditTargetError("--positions applies to --compact or --press; neither was given")
+        if args.positions or args.reader != CACHE:
+            raise AuditTargetError("--positions and --reader apply to --compact or --press; neither was given")
         cert = certify(load_model(args.model))
     print(cert.table(verbose=args.verbose))
     if args.json:
@@ -381,6 +382,13 @@ def parser() -> argparse.ArgumentParser:
         choices=POSITIONS,
         help="where a compaction's or press's kept keys sit: kept (re-rotated to the kept slots, next token at "
         "kept) or original (their own phase, next token at the original length)",
+    )
+    audit.add_argument(
+        "--reader",
+        choices=READERS,
+        default=CACHE,
+        help="how the store's reader places the next token after a compaction or press: cache (default: from "
+        "get_seq_length(), as generate does) or explicit (it passes position_ids itself, as kvpress's pipeline does)",
     )
     audit.add_argument(
         "--engine-merge",

@@ -137,6 +137,28 @@ def test_each_wrong_compaction_fails_exactly_its_lines(name, kind, positions, mo
         assert words in first.scope + " " + first.detail, first.detail
 
 
+@pytest.mark.parametrize(
+    "name, kind, positions, named",
+    [
+        # Kept in place in a plain cache: generate would land at kept, the store's own reader passes n.
+        ("press_at_kept", "press", "original", set()),
+        ("in_place_at_kept", "compact", "original", set()),
+        # Passing positions fixes no phase: keys kept in place, declared re-rotated.
+        ("press_at_kept", "press", "kept", {"phase", "refusal"}),
+    ],
+)
+def test_a_reader_that_passes_its_own_positions_is_read_as_it_reads(name, kind, positions, named):
+    """``reader="explicit"`` (kvpress's pipeline): the length line reads at the declared position, and says what
+    a generate on top would do; a wrong phase still fails."""
+    cert = audit(tiny("tiny-llama"), **{kind: getattr(T, name)}, positions=positions, reader="explicit")
+    assert failing(cert) == named, cert.table(verbose=True)
+    if not named:
+        length = lines_of(cert, "length")[0]
+        assert "positions passed by the reader" in length.scope
+        assert "a reader taking positions from the cache (generate) would land at 24" in length.detail
+        assert "the gap n - kept is 24" in length.detail and length.value <= length.bound
+
+
 def test_global_base_fails_the_sliding_layers_only():
     cert = certificate("tiny-gemma3", "compact", "global_base_everywhere", "kept")
     status = {x.scope.split(" layers")[0]: x.status for x in lines_of(cert, "phase")}
@@ -217,6 +239,8 @@ def test_bad_keep_lists_are_refused_by_name_and_nothing_changes():
         (dict(compact=lambda cache: cache, positions="kept"), "the compact contract calls it as"),
         (dict(press=lambda model, ids, extra: None, positions="kept"), "the press contract calls it as"),
         (dict(press=lambda model, ids: [], positions="kept"), "not a transformers.DynamicCache"),
+        (dict(press=key_norm_press, positions="original", reader="generate"), "reader must be one of"),
+        (dict(merge=T.store_compact, reader="explicit"), "reader applies to a compaction or a press"),
     ],
 )
 def test_bad_targets_are_refused_by_name(kwargs, words):
@@ -263,3 +287,15 @@ def test_on_smollm2_kvlabs_compaction_passes_and_each_defect_fails_its_lines(smo
     for name, kind, positions, named in REAL_TEETH:
         cert = audit(smollm2, **{kind: getattr(T, name)}, positions=positions)
         assert failing(cert) == named, (name, cert.table(verbose=True))
+
+
+@pytest.mark.real
+def test_on_smollm2_the_explicit_reader_is_read_where_it_reads(smollm2):
+    """A press kept in place in a plain cache, whose reader passes n (kvpress's pipeline), passes; the same
+    cache read where generate reads it (positions from the cache, at kept) is far off, so the read has teeth."""
+    cert = audit(smollm2, press=T.press_at_kept, positions="original", reader="explicit")
+    assert not failing(cert), cert.table(verbose=True)
+    length = lines_of(cert, "length")[0]
+    assert length.value <= length.bound and "would land at" in length.detail
+    by_cache = lines_of(audit(smollm2, press=T.press_at_kept, positions="original"), "length")[0]
+    assert by_cache.failed and by_cache.value > 100 * length.bound, by_cache.detail

@@ -87,6 +87,10 @@ RATIOS = (0.5, 0.25)
 #: Tokens fed on top of a result by the length and by-reference lines.
 PROBE_TOKENS = 4
 
+#: How a store's reader places the next token: from the cache (``generate``), or passing positions itself.
+CACHE, EXPLICIT = "cache", "explicit"
+READERS = (CACHE, EXPLICIT)
+
 
 @dataclass
 class Source:
@@ -237,7 +241,7 @@ def _view(cache: DynamicCache) -> CacheView:
 
 
 def audit_compact(
-    model: LoadedModel, target: Target, *, positions: str, tokens: int = TOKENS, seed: int = 0
+    model: LoadedModel, target: Target, *, positions: str, reader: str = CACHE, tokens: int = TOKENS, seed: int = 0
 ) -> list[Line]:
     """Every line of a compaction or press audit on ``model`` (see the module docstring).
 
@@ -247,6 +251,10 @@ def audit_compact(
         A compaction (``kind`` ``compact``) or a press (``press``).
     positions : {"kept", "original"}
         The convention the store declares.
+    reader : {"cache", "explicit"}
+        How the store's reader places the next token: ``cache``, from the cache's
+        ``get_seq_length()`` (as ``generate`` does); ``explicit``, by passing ``position_ids`` at the
+        declared next position itself (as kvpress's pipeline does).
 
     Raises
     ------
@@ -275,7 +283,7 @@ def audit_compact(
     probe = TokenSource(model, seed + 1)(PROBE_TOKENS)
     lines += guarded(
         "length", "get_seq_length and a forward pass", FLOOR_BOUND, "nats",
-        lambda: _length(model, need(runs, refusal), positions, probe),
+        lambda: _length(model, need(runs, refusal), positions, probe, reader),
     )  # fmt: skip
     lines += guarded(
         "by reference", "the input of a compaction" if not press else "the model and input ids of a press", 0,
@@ -296,7 +304,7 @@ def audit_compact(
             lambda: _keep_all(model, target, source, positions), refusal,
         )  # fmt: skip
     lines += _refusal(target, positions, seed)
-    lines += _context(model, target, positions, refusal)
+    lines += _context(model, target, positions, reader, refusal)
     return lines
 
 
@@ -444,31 +452,43 @@ def _values(model: LoadedModel, runs: list, positions: str) -> list[Line]:
     return [Line("values", scope, worst, REL_KEY_NOISE, "relative", PASS if worst <= REL_KEY_NOISE else FAIL, detail)]
 
 
-def _length(model: LoadedModel, runs: list, positions: str, probe: torch.Tensor) -> list[Line]:
-    """``get_seq_length()`` is the declared next position, and the next token reads as the same tensors read there."""
+def _length(model: LoadedModel, runs: list, positions: str, probe: torch.Tensor, reader: str = CACHE) -> list[Line]:
+    """The next token reads as the same tensors read at the declared next position.
+
+    ``reader="cache"``: ``get_seq_length()`` must be that position, since the reader takes it from
+    there. ``"explicit"``: the store's reader passes the positions, so the read does too, and what
+    ``get_seq_length()`` says is only worded in the detail (a ``generate`` on top would read there).
+    """
     run, reading = runs[0]
     n = run.source.n
     _, _, total = _declared(run, reading, positions)
     result = run.result
     kept = max(layer.keys.shape[-2] for layer in result.layers)
-    scope = f"{run.label}, next token at {total} (positions={positions}), {PROBE_TOKENS} tokens on top"
-    problems = []
+    how = "positions passed by the reader" if reader == EXPLICIT else "positions from the cache"
+    scope = f"{run.label}, next token at {total} (positions={positions}, {how}), {PROBE_TOKENS} tokens on top"
+    problems, notes = [], []
     seen = result.get_seq_length()
     if seen != total:
         gap = f"; the gap n - kept is {n - kept}" if positions == ORIGINAL and seen == kept else ""
-        problems.append(f"get_seq_length() is {seen}, not {total}: the next token lands at {seen}{gap}")
-    wrong = [li for li, layer in enumerate(result.layers) if layer.get_seq_length() != total]
-    if wrong and seen == total:
+        said = f"get_seq_length() is {seen}, not {total}"
+        if reader == EXPLICIT:
+            notes.append(f"{said}: a reader taking positions from the cache (generate) would land at {seen}{gap}")
+        else:
+            problems.append(f"{said}: the next token lands at {seen}{gap}")
+    wrong = [
+        li for li, layer in enumerate(result.layers) if layer.get_seq_length() != (total if reader == CACHE else seen)
+    ]
+    if wrong and (seen == total or reader == EXPLICIT):
         problems.append(f"layers {wrong} report {sorted({result.layers[li].get_seq_length() for li in wrong})} tokens")
     uninit = [li for li, layer in enumerate(result.layers) if not layer_ready(layer)]
     if uninit:
         problems.append(f"layers {uninit} never initialized (tensors assigned without update: read as empty)")
     right = next_log_probs(model, rebuild(result, model.config, total), probe)
-    got = next_log_probs(model, copy.deepcopy(result), probe)
+    got = next_log_probs(model, copy.deepcopy(result), probe, start=total if reader == EXPLICIT else None)
     kl = kl_divergence(right, got)
     if kl > FLOOR_BOUND:
         problems.append(f"the next token reads {kl:.3g} nats away from the same tensors read at position {total}")
-    detail = "; ".join(problems) if problems else f"continues at position {total}"
+    detail = "; ".join(problems + notes) if problems else "; ".join([f"continues at position {total}"] + notes)
     return [Line("length", scope, kl, FLOOR_BOUND, "nats", FAIL if problems else PASS, detail)]
 
 
@@ -579,26 +599,28 @@ def _refusal(target: Target, positions: str, seed: int) -> list[Line]:
 
 @torch.inference_mode()
 def answer_span_kl(
-    model: LoadedModel, cache: DynamicCache, full: DynamicCache, probe: str, answer: str
+    model: LoadedModel, cache: DynamicCache, full: DynamicCache, probe: str, answer: str, start: int | None = None
 ) -> tuple[float, bool]:
     """Teacher-forced KL (nats per answer token) behind ``cache`` against ``full``, and whether both read the same first token.
 
     ``probe`` then ``" " + answer`` are fed on copies of both caches, positions taken from each
-    cache as ``generate`` takes them; the KL is averaged over the answer's tokens.
+    cache as ``generate`` takes them (or, behind ``cache``, from ``start`` on, for a reader that
+    passes its own); the KL is averaged over the answer's tokens.
     """
     p, a = tokenize(model, probe), tokenize(model, " " + answer)
     ids = torch.cat([p, a])[None].to(model.device)
 
-    def read(c: DynamicCache) -> torch.Tensor:
-        out = forward(model.model, copy.deepcopy(c), input_ids=ids, use_cache=True)
+    def read(c: DynamicCache, at: int | None = None) -> torch.Tensor:
+        extra = {} if at is None else {"position_ids": (at + torch.arange(ids.shape[-1]))[None].to(model.device)}
+        out = forward(model.model, copy.deepcopy(c), input_ids=ids, use_cache=True, **extra)
         return torch.log_softmax(out.logits[0, len(p) - 1 : -1].double(), -1)
 
-    lq, lp = read(cache), read(full)
+    lq, lp = read(cache, start), read(full)
     kl = float((lp.exp() * (lp - lq)).sum(-1).mean())
     return kl, bool(lp[0].argmax() == lq[0].argmax())
 
 
-def _context(model: LoadedModel, target: Target, positions: str, refusal: str | None) -> list[Line]:
+def _context(model: LoadedModel, target: Target, positions: str, reader: str, refusal: str | None) -> list[Line]:
     """What compaction costs (information): answer-span KL against the full cache, kvlab's compaction beside it."""
     ids = torch.cat([tokenize(model, t, bos=(i == 0)) for i, t in enumerate(DEFAULT_TEXTS)])
     full = prefill_ids(model, ids)
@@ -614,8 +636,12 @@ def _context(model: LoadedModel, target: Target, positions: str, refusal: str | 
             reading = identify(model, result, Source(ids, full, full, REL_KEY_NOISE), None, positions)
             if reading.unread:
                 raise Unfit(f"{reading.unread} slots hold no input token")
-            keep = reading.tokens
-        rows = [answer_span_kl(model, result, full, p, a) for p, a in zip(DEFAULT_PROBES, DEFAULT_ANSWERS)]
+            # Under original a slot's order changes no attention (kvpress's scorers keep top-k order).
+            keep = [t.sort(-1).values for t in reading.tokens] if positions == ORIGINAL else reading.tokens
+        start = None
+        if reader == EXPLICIT:
+            start = ids.numel() if positions == ORIGINAL else max(t.shape[-1] for t in keep)
+        rows = [answer_span_kl(model, result, full, p, a, start) for p, a in zip(DEFAULT_PROBES, DEFAULT_ANSWERS)]
         kl = sum(r[0] for r in rows) / len(rows)
         try:
             own = compact(full, keep, model, positions=positions)

@@ -275,11 +275,16 @@ def rebuilt(cache: DynamicCache, model: LoadedModel, total: int) -> DynamicCache
 
 
 @torch.inference_mode()
-def next_log_probs(model: LoadedModel, cache: DynamicCache, ids: torch.Tensor) -> torch.Tensor:
+def next_log_probs(
+    model: LoadedModel, cache: DynamicCache, ids: torch.Tensor, start: int | None = None
+) -> torch.Tensor:
     """``[vocab]`` float64 next-token log-probabilities after ``ids`` (``[n]``), read on top of ``cache``.
 
-    No positions are given: transformers takes them from the cache (``get_seq_length``), as a
-    store's ``generate`` does. ``cache`` grows by ``n`` tokens.
+    With ``start`` None no positions are given: transformers takes them from the cache
+    (``get_seq_length``), as a store's ``generate`` does. Otherwise ``ids`` sit at ``start ..
+    start+n-1`` (``position_ids``), as a reader that passes its own positions reads (kvpress's
+    pipeline). ``cache`` grows by ``n`` tokens.
     """
-    out = forward(model.model, cache, input_ids=ids[None].to(model.device), use_cache=True, logits_to_keep=1)
+    extra = {} if start is None else {"position_ids": (start + torch.arange(ids.shape[-1]))[None].to(model.device)}
+    out = forward(model.model, cache, input_ids=ids[None].to(model.device), use_cache=True, logits_to_keep=1, **extra)
     return torch.log_softmax(out.logits[0, -1].double(), -1)

@@ -14,7 +14,7 @@ from kvlab.cache.compact import POSITIONS
 from kvlab.compat import untested
 from kvlab.errors import AuditTargetError
 from kvlab.files.identity import fingerprint, package_versions
-from kvlab.measure.audit.compact import audit_compact
+from kvlab.measure.audit.compact import CACHE, READERS, audit_compact
 from kvlab.measure.audit.merge import LENGTHS, audit_merge
 from kvlab.measure.audit.shift import audit_shift
 from kvlab.measure.audit.store import audit_store
@@ -49,6 +49,7 @@ def audit(
     compact=None,
     press=None,
     positions: str | None = None,
+    reader: str = CACHE,
     lengths: tuple[int, ...] = LENGTHS,
     seed: int = 0,
 ) -> Certificate:
@@ -63,6 +64,10 @@ def audit(
     positions : {"kept", "original"}, optional
         Where a compaction's or press's kept keys sit (:mod:`kvlab.cache.compact`); required with
         ``compact`` or ``press``.
+    reader : {"cache", "explicit"}
+        How the store's reader places the next token after a compaction or press: ``cache``
+        (default), from ``get_seq_length()`` as ``generate`` does; ``explicit``, passing
+        ``position_ids`` at the declared next position itself (kvpress's pipeline).
     lengths : tuple of int
         Base fragment lengths of the merge's phase line.
     seed : int
@@ -91,6 +96,10 @@ def audit(
         )
     if positions is not None and compact is None and press is None:
         raise AuditTargetError("positions applies to a compaction or a press; none was given")
+    if reader not in READERS:
+        raise AuditTargetError(f"reader must be one of {READERS}, got {reader!r}")
+    if reader != CACHE and compact is None and press is None:
+        raise AuditTargetError("reader applies to a compaction or a press; none was given")
     targets = [(kind, resolve(kind, x)) for kind, x in asked]
     t0 = time.perf_counter()
     lines = [versions_line()]
@@ -100,7 +109,7 @@ def audit(
         elif kind == SHIFT:
             got = audit_shift(model, target, seed=seed)
         elif kind in (COMPACT, PRESS):
-            got = audit_compact(model, target, positions=positions, seed=seed)
+            got = audit_compact(model, target, positions=positions, reader=reader, seed=seed)
         else:
             got = audit_store(model, target, seed=seed)
         if len(targets) > 1:
