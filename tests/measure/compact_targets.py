@@ -13,7 +13,7 @@ import torch
 from transformers import DynamicCache
 
 from kvlab.cache.compact import rebuild
-from kvlab.compat import layer_rope_parameters, rope_parameters, rotary_for
+from kvlab.compat import forward, layer_rope_parameters, rope_parameters, rotary_for
 from kvlab.testing import inplace_compact, key_norm_press
 
 # --------------------------------------------------------------------------- a press's rotation, by hand
@@ -192,3 +192,15 @@ def press_leaving_a_hook(model, input_ids):
     """A press whose forward hook stays on the model after it returns (kvpress registers hooks inside a ``with``)."""
     model.model.layers[0].register_forward_hook(lambda module, args, out: None)
     return key_norm_press(model, input_ids)
+
+
+def crop_press(model, input_ids):
+    """Right (positions=kept): the first half kept where it was computed, the sequence going on after it (crop)."""
+    n = input_ids.shape[-1]
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        forward(model, cache, input_ids=input_ids, use_cache=True)
+    out = DynamicCache(config=model.config)
+    for li, layer in enumerate(cache.layers):
+        out.update(layer.keys[..., : n // 2, :].clone(), layer.values[..., : n // 2, :].clone(), li)
+    return out

@@ -22,6 +22,7 @@ from kvlab.compat import ASSIGNED_LAYERS_READ_EMPTY, forward
 from kvlab.errors import AuditTargetError, CompactError, UnsupportedRopeError
 from kvlab.measure.audit.run import audit
 from kvlab.measure.certificate import NA, PASS, REFUSED
+from kvlab.models.loaded import LoadedModel
 from kvlab.testing import (
     assert_compact_conforms,
     assert_press_conforms,
@@ -157,6 +158,25 @@ def test_a_reader_that_passes_its_own_positions_is_read_as_it_reads(name, kind, 
         assert "positions passed by the reader" in length.scope
         assert "a reader taking positions from the cache (generate) would land at 24" in length.detail
         assert "the gap n - kept is 24" in length.detail and length.value <= length.bound
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-phi"])
+def test_a_press_keeping_a_prefix_in_place_passes_and_has_nothing_to_refuse(model):
+    """A crop is ``kept`` with no key turned: the refusal line is n/a on dynamic NTK, not a failure; a press
+    that keeps other tokens and does not raise there still fails it (the not-re-rotated teeth above)."""
+    cert = audit(tiny(model), press=T.crop_press, positions="kept")
+    assert not failing(cert), cert.table(verbose=True)
+    refusal = lines_of(cert, "refusal")[0]
+    assert refusal.status == NA and "kept a prefix" in refusal.detail
+    assert lines_of(certificate("tiny-llama", "compact", "not_rerotated", "kept"), "refusal")[0].failed
+
+    def last_half(model, input_ids):  # keeps the later half and refuses nothing
+        cache = prefill_ids(LoadedModel(model, None, "audited", model.config), input_ids)
+        n = cache.get_seq_length()
+        keep = [torch.arange(n // 2, n).expand(1, x.keys.shape[1], -1).clone() for x in cache.layers]
+        return T._compact(cache, keep, model, rerotate=False)
+
+    assert lines_of(audit(tiny(model), press=last_half, positions="kept"), "refusal")[0].failed
 
 
 def test_global_base_fails_the_sliding_layers_only():

@@ -591,10 +591,27 @@ def _refusal(target: Target, positions: str, seed: int) -> list[Line]:
         keep = draw_keep(cache, RATIOS[0], seed)
         attempt = lambda: target.call(cache, keep, dyn.model)  # noqa: E731
     else:
-        attempt = lambda: target.call(dyn.model, ids[None].clone())  # noqa: E731
-    return refusal_line(
+        got = []
+        attempt = lambda: got.append(target.call(dyn.model, ids[None].clone())) or got[-1]  # noqa: E731
+    line = refusal_line(
         scope, attempt, "re-rotated", "it re-rotated them: " + REFUSAL_WHY + "; a compaction must refuse it"
     )
+    if target.kind != COMPACT and got and _prefix_kept(dyn, got[0], ids):
+        why = "the press kept a prefix at its own positions (slot j holds token j, as crop does): no key turned"
+        return [Line("refusal", scope, None, None, "", NA, why + ", nothing to refuse")]
+    return line
+
+
+def _prefix_kept(model: LoadedModel, result, ids: torch.Tensor) -> bool:
+    """Whether every layer of a press's ``result`` holds tokens ``0 .. k-1`` in slots ``0 .. k-1`` (read from values)."""
+    if not isinstance(result, DynamicCache):
+        return False
+    cache = prefill_ids(model, ids)
+    try:
+        reading = identify(model, result, Source(ids, cache, cache, REL_KEY_NOISE), None, KEPT)
+    except Unfit:
+        return False
+    return all(torch.equal(t, torch.arange(t.shape[-1]).expand_as(t)) for t in reading.tokens)
 
 
 @torch.inference_mode()
