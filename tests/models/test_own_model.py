@@ -16,7 +16,7 @@ import transformers as tf
 
 import kvlab
 from conftest import TINY_HERE, assert_unchanged, snapshot, tiny
-from kvlab.compat import META_FORWARD, TRANSFORMERS, rope_parameters, set_rope
+from kvlab.compat import CONVERSION_FORMAT, META_FORWARD, TRANSFORMERS, rope_parameters, set_rope
 from kvlab.models import layout
 from kvlab.models.tiny import _COMMON as COMMON
 from kvlab.models.tiny import TINY_CONFIGS, TINY_SEED, VOCAB_SIZE, byte_tokenizer
@@ -442,7 +442,7 @@ def test_another_gguf_file_is_converted_under_its_own_sha256(tmp_path, monkeypat
     assert got.locate(got) == gguf.resolve()
     assert sources._catalogue_spec(spec.locate(spec), _sha256_file(spec.locate(spec))) is spec
     # Once converted, a load reads neither the GGUF header nor its config again.
-    done = tmp_path / "cache" / "models" / f"my-smollm2-{_sha256_file(gguf)[:16]}"
+    done = tmp_path / "cache" / "models" / f"my-smollm2-{_sha256_file(gguf)[:16]}-{CONVERSION_FORMAT}"
     done.mkdir(parents=True)
     (done / "kvlab-source.json").write_text("{}")
     monkeypatch.setattr(sources, "gguf_quantization", None)  # any call fails
