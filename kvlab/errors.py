@@ -92,3 +92,7 @@ class AuditTargetError(KvlabError):
 
 class CacheFileWarning(UserWarning):
     """A cache file was loaded without full verification (``strict=False`` or ``allow_unverified=True``)."""
+
+
+class DesignError(StudyError):
+    """A study's pre-registered design is missing, unreadable, uncommitted, or committed after its rows."""
