@@ -17,6 +17,7 @@ from pathlib import Path
 
 from kvlab.findings import haystack_table
 from kvlab.findings import puzzle as puzzle_rows
+from kvlab.findings.curve import r90
 from kvlab.findings.longctx import cache_of, gap_closed, pairs
 from kvlab.findings.rows import read_rows as read_study_rows
 from kvlab.findings.strata import compare, merges, read_rows
@@ -39,6 +40,24 @@ def _n(c) -> str:
 def _ceiling(rows: list[dict], k: int):
     ref = [r for r in rows if r["strategy"] == "reprefill" and r["n_fragments"] == k]
     return proportion_ci([bool(r["em"]) for r in ref], clusters=[cache_of(r) for r in ref])
+
+
+#: The recompute curve's policies, in SUMMARY's order (results/recompute_curve/rows_<model>_<policy>.csv).
+POLICIES_R90 = ("deviation", "fragment_start", "random_later")
+
+
+def recompute_r90(results: Path, model: str, policy: str, seed: int = 0) -> dict:
+    """r90 of one policy on one model, recomputed from its committed rows, with the top measured ratio (``top``).
+
+    The ratios are read from the rows' strategy labels (``policy r=X``); the seed is the study's (0).
+    """
+    rows = read_rows(Path(results) / "recompute_curve" / f"rows_{model}_{policy}.csv")
+    ratios = sorted({float(r["strategy"].split("r=")[1]) for r in rows if r["strategy"].startswith(policy + " r=")})
+    return {**r90(rows, policy, ratios, seed), "top": ratios[-1]}
+
+
+def _r90(x: dict) -> str:
+    return f"{x['mean']:.2f} [{x['lo']:.2f}, {x['hi']:.2f}]"
 
 
 def _counts(ks: list[int]) -> str:
@@ -71,6 +90,10 @@ def render(results: str | Path) -> str:
         if diff[s][k, "pooled", "em"]["p_holm"] <= 0.05 and diff[s][k, "pooled", "em"]["ci"].mean < 0
     ]
 
+    r90s = {(m, p): recompute_r90(results, m, p) for m in MODELS for p in POLICIES_R90}
+    curve_top = max(x["top"] for x in r90s.values())
+    r90_lo, r90_hi = min(x["lo"] for x in r90s.values()), max(x["hi"] for x in r90s.values())
+    r_star_min = min(x["r_star_min"] for x in r90s.values())
     hay = {m: read_study_rows(results / f"haystack_{m}.csv", text=haystack_table.TEXT) for m in MODELS}
     hay_fam = {m: {r["label"]: r for r in haystack_table.family(rs)} for m, rs in hay.items()}
     hay_n = {m: len({r["set"] for r in rs}) for m, rs in hay.items()}
@@ -263,9 +286,17 @@ def render(results: str | Path) -> str:
         "to the question).",
         "* **The recompute curve near r*.** The curve ends at r* = (N − L₀)/N, where every policy is the joined "
         "prefill, and is recomputed from committed rows ([README.md](README.md#the-recompute-curve)). Measured "
-        "up to r = 0.7, every policy's r90 lies between the measured ratios 0.6 and 0.7, just below r*: on these "
-        "small models a recompute that removes 90% recomputes nearly every token that can change. Open: whether "
-        "a larger model's curve rises sooner.",
+        f"up to r = {curve_top:g}, r90 (the ratio removing 90% of rerotate's answer-span KL, interpolated between "
+        "measured ratios; 95% cluster interval, caches resampled with the curve and r*): "
+        + "; ".join(
+            f"{'SmolLM2' if m == s else 'Gemma 3'} ({r90s[m, POLICIES_R90[0]]['caches']} caches) "
+            + ", ".join(f"{p} {_r90(r90s[m, p])}" for p in POLICIES_R90)
+            for m in MODELS
+        )
+        + f". Every interval lies within [{r90_lo:.2f}, {r90_hi:.2f}], "
+        + (f"below the smallest r* ({r_star_min:.2f})" if r90_hi < r_star_min else f"reaching r* ({r_star_min:.2f})")
+        + ": on these small models a recompute that removes 90% recomputes nearly every token that can change. "
+        "Open: whether a larger model's curve rises sooner.",
         f"* **Text nobody here wrote: how far it carries.** On essay haystacks (the needle-in-a-haystack text, "
         f"{hay_n[s]} haystacks per model) finding 1 holds, recompute helps SmolLM2 far more than Gemma 3 "
         f"(finding 3), and the SmolLM2 puzzle's sign holds: naive − "

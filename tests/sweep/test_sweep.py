@@ -19,6 +19,7 @@ import kvlab
 from conftest import study_module
 from kvlab.cli import main as cli
 from kvlab.errors import StudyError
+from kvlab.findings import curve
 from kvlab.findings.records import make_record, read_records
 from kvlab.findings.rows import read_rows, write_rows
 from kvlab.sweep.point import read_points, run_point
@@ -319,7 +320,7 @@ def test_a_study_notebook_beside_its_toml_runs_its_script(tmp_path):
 
     recompute_curve = study_module("recompute_curve")
     rows = read_rows(out / "rows_tiny-llama_deviation.csv")
-    stars = recompute_curve.r_star(rows)
+    stars = curve.r_star(rows)
     assert len(stars) == 2 and value["r_star"] == pytest.approx(sum(stars.values()) / 2, rel=1e-5)
     # The committed rows give back the recorded r90 and its interval (records keep 6 significant digits).
     doc = recompute_curve.summarise(rows, [0.1, 0.5], ["deviation"], 0)
@@ -329,9 +330,9 @@ def test_a_study_notebook_beside_its_toml_runs_its_script(tmp_path):
     assert f"| {doc['r90']['deviation']['r_star']:.2f} (" in table
     # The anchor is what the curve ends at: past the last ratio it runs to (r*, 1), not (1, 1) as the
     # first run had it; ratios at or past r* are left out (the curve is 1 from r* on).
-    assert recompute_curve.crossing([0.1, 0.5], [0.3, 0.6], end=0.7) == pytest.approx(0.5 + 0.3 * 0.2 / 0.4)
-    assert recompute_curve.crossing([0.1, 0.5], [0.3, 0.6], end=1.0) == pytest.approx(0.5 + 0.3 * 0.5 / 0.4)
-    assert recompute_curve.crossing([0.1, 0.5, 0.8], [0.3, 0.6, 0.7], end=0.7) == pytest.approx(0.5 + 0.3 * 0.2 / 0.4)
+    assert curve.crossing([0.1, 0.5], [0.3, 0.6], end=0.7) == pytest.approx(0.5 + 0.3 * 0.2 / 0.4)
+    assert curve.crossing([0.1, 0.5], [0.3, 0.6], end=1.0) == pytest.approx(0.5 + 0.3 * 0.5 / 0.4)
+    assert curve.crossing([0.1, 0.5, 0.8], [0.3, 0.6, 0.7], end=0.7) == pytest.approx(0.5 + 0.3 * 0.2 / 0.4)
 
 
 def test_the_naive_dose_study_asks_every_passage_at_every_count_and_keeps_its_rows(tmp_path):
