@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import INTERVAL, intervals, intervals_not_in, results_section, study_module
+from kvlab.findings import curve
 
 ROOT = Path(__file__).resolve().parents[2]
 HEADING = "## The recompute curve"
@@ -48,7 +49,7 @@ def test_every_point_committed_rows_and_r90_lies_below_its_r_star(study):
     for p in points:
         par = p["parameters"]
         rows = strata.read_rows(study.point_rows_path(folder, par["model_name"], par["policy"]))
-        r90 = study.r90(rows, par["policy"], par["ratios"], 0)
+        r90 = curve.r90(rows, par["policy"], par["ratios"], 0)
         assert 0 < r90["lo"] <= r90["mean"] <= r90["hi"] <= r90["r_star_max"] < 1
 
 
@@ -59,12 +60,12 @@ def test_an_altered_interval_fails(table):
     assert intervals_not_in(text.replace(found, bumped, 1), table) == intervals(bumped)
 
 
-def test_r90_lies_in_the_segment_it_names(study):
+def test_r90_lies_in_the_segment_it_names():
     # The curve through (0, 0), the measured points and (r*, 1): the crossing and its segment agree.
     ratios, end = (0.1, 0.5, 0.6), 0.74
-    assert study.bracket(ratios, (0.2, 0.95, 0.99), end=end) == (0.1, 0.5)
-    assert study.bracket(ratios, (0.2, 0.5, 0.8), end=end) == (0.6, None)
-    assert study.bracket(ratios, (0.95, 0.97, 0.99), end=end) == (0.0, 0.1)
+    assert curve.bracket(ratios, (0.2, 0.95, 0.99), end=end) == (0.1, 0.5)
+    assert curve.bracket(ratios, (0.2, 0.5, 0.8), end=end) == (0.6, None)
+    assert curve.bracket(ratios, (0.95, 0.97, 0.99), end=end) == (0.0, 0.1)
     for shares in ((0.2, 0.95, 0.99), (0.2, 0.5, 0.8), (0.95, 0.97, 0.99), (0.3, 0.89, 0.9)):
-        lo, hi = study.bracket(ratios, shares, end=end)
-        assert lo <= study.crossing(ratios, shares, end=end) <= (end if hi is None else hi)
+        lo, hi = curve.bracket(ratios, shares, end=end)
+        assert lo <= curve.crossing(ratios, shares, end=end) <= (end if hi is None else hi)
