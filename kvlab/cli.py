@@ -14,7 +14,7 @@ from kvlab.cache.compact import POSITIONS
 from kvlab.errors import AuditTargetError, KvlabError
 from kvlab.files.identity import package_versions, show
 from kvlab.files.inspect import inspect_file, inspect_folder, load_into
-from kvlab.measure.audit.compact import CACHE, READERS
+from kvlab.measure.audit.compact_source import CACHE, READERS
 from kvlab.measure.audit.run import audit
 from kvlab.measure.audit.target import ENGINE, resolve
 from kvlab.measure.certify import certify

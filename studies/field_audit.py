@@ -30,7 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvlab.atomic import atomic_write_text  # noqa: E402
-from kvlab.findings.field import comparable, load, markdown, splice  # noqa: E402
+from kvlab.findings.field import LINES_CSV, comparable, line_rows, load, markdown, splice  # noqa: E402
+from kvlab.findings.rows import write_rows  # noqa: E402
 from kvlab.models.gguf import GGUF_MODELS  # noqa: E402
 from studies.field.grid import ENVS, MAIN, REAL, cells  # noqa: E402
 
@@ -107,6 +108,8 @@ def check(fresh: Path, ids: list[str]) -> list[str]:
 
 
 def write_table() -> Path:
+    """results/README.md's table and results/field/lines.csv (every line of every record), from the records."""
+    write_rows(RESULTS / LINES_CSV, line_rows(RESULTS))
     readme = ROOT / "results" / "README.md"
     return atomic_write_text(readme, splice(readme.read_text(), markdown(load(RESULTS))))
 

@@ -120,6 +120,34 @@ def verdict_matrix(rows: list[FieldRow]) -> tuple[list[str], list[str], list[lis
     return ops, models, grid
 
 
+#: The flat file of every line of every record: one row per cell and line (results/field/lines.csv).
+LINES_CSV = "lines.csv"
+
+
+def line_rows(folder) -> list[dict]:
+    """Every line of every record under ``folder``, one row each, the cell's fields beside it (sorted by cell id).
+
+    The field audit claims no interval: each cell is one deterministic audit of one model (its
+    lines read seeded token ids on one cache), so these rows are what the table is recomputed from.
+    A cell with no audit gives one row whose ``check`` is ``no audit``.
+    """
+    out = []
+    for path in sorted(Path(folder).glob("*.json")):
+        record = json.loads(path.read_text())
+        cell = record["cell"]
+        head = {k: cell[k] for k in ("id", "package", "version", "operation", "model")}
+        head["transformers"] = record["versions"]["transformers"]
+        cert = record.get("certificate")
+        if cert is None:
+            out.append({**head, "check": "no audit", "scope": "", "status": ERROR, "value": "", "bound": "",
+                        "unit": "", "detail": record["error"][:300]})  # fmt: skip
+            continue
+        for x in cert["lines"]:
+            out.append({**head, **{k: ("" if x[k] is None else x[k]) for k in ("check", "scope", "status", "value",
+                        "bound", "unit")}, "detail": x["detail"][:300]})  # fmt: skip
+    return out
+
+
 def comparable(record: dict) -> dict:
     """What a re-run must reproduce of a record: the verdict and every line's check, scope, status and value
     (3 significant digits; timings, dates and the versions line aside), or the error's type."""

@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import save_model
 
 from kvlab.atomic import atomic_dir, atomic_path, atomic_write_text
-from kvlab.compat import CONVERSION_FORMAT, load_causal_lm
+from kvlab.compat import CONVERSION_FORMAT, TRANSFORMERS, load_causal_lm
 from kvlab.errors import ModelError
 from kvlab.models.digests import store_tokenizer_digest
 from kvlab.models.loaded import LoadedModel, cache_root, notice, quiet_gguf_reader, quiet_transformers
@@ -315,10 +315,8 @@ def check_tokenizer(spec: GGUFSpec, tokenizer) -> None:
         return
     got = tuple(tokenizer(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"])
     if got != spec.probe_ids:
-        import transformers  # noqa: PLC0415 - only to name the release in the error
-
         raise ModelError(
-            f"{spec.name}: transformers {transformers.__version__} converts {spec.filename}'s tokenizer into one that "
+            f"{spec.name}: transformers {TRANSFORMERS} converts {spec.filename}'s tokenizer into one that "
             f"splits {TOKENIZER_PROBE!r} into {len(got)} tokens {list(got)[:8]}..., where the file's own tokenizer "
             f"(llama.cpp's) gives {len(spec.probe_ids)} {list(spec.probe_ids)[:8]}...: kvlab refuses to read the model "
             "with other token ids than its file's (a release whose GGUF conversion keeps the tokenizer's merges reads it)"

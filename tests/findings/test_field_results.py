@@ -18,9 +18,11 @@ from kvlab.findings.field import (
     END,
     ERROR,
     FAILED,
+    LINES_CSV,
     PASSED,
     REFUSAL_ONLY,
     comparable,
+    line_rows,
     load,
     markdown,
     row,
@@ -82,6 +84,15 @@ def test_every_cell_of_the_grid_has_its_committed_record():
     rows = load(FIELD)
     ops, models, grid = verdict_matrix(rows)
     assert sum(v is not None for g in grid for v in g) == len(rows)
+
+
+def test_every_line_of_every_record_is_in_the_committed_rows():
+    import csv
+
+    with open(FIELD / LINES_CSV, newline="") as fh:
+        committed = list(csv.DictReader(fh))
+    assert committed == [{k: str(v) for k, v in r.items()} for r in line_rows(FIELD)]
+    assert len({r["id"] for r in committed}) == len(list(FIELD.glob("*.json")))
 
 
 def test_the_readme_prints_the_records_table():

@@ -31,28 +31,37 @@ The store declares where the kept keys sit (``positions``, :mod:`kvlab.cache.com
 from __future__ import annotations
 
 import copy
-import functools
 import math
-from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
 
-from kvlab.cache.compact import KEPT, ORIGINAL, compact, declared_positions, held_positions, low_key_norms, rebuild
-from kvlab.cache.fragments import clone_cache, prefill_ids, tokenize
+from kvlab.cache.compact import KEPT, ORIGINAL, rebuild
+from kvlab.cache.fragments import prefill_ids
 from kvlab.compat import forward, layer_ready
-from kvlab.errors import KvlabError
+from kvlab.measure.audit.compact_context import context_line
+from kvlab.measure.audit.compact_reading import Reading, declared_at, identify, kept_tokens_line, prefix_kept
+from kvlab.measure.audit.compact_source import (
+    CACHE,
+    EXPLICIT,
+    PROBE_TOKENS,
+    RATIOS,
+    TOKENS,
+    Run,
+    Source,
+    draw_keep,
+    exact_reference,
+    keep_all,
+    make_source,
+    result_view,
+)
 from kvlab.measure.audit.compare import (
-    CacheView,
-    LayerView,
     changes,
     key_error_by_kind,
     next_log_probs,
     other_slot,
-    own_noise,
     rel_diff,
     shared_storage,
-    snapshot,
     structure_problems,
 )
 from kvlab.measure.audit.lines import (
@@ -66,9 +75,8 @@ from kvlab.measure.audit.lines import (
     refusal_model,
     refused_detail,
 )
-from kvlab.measure.audit.target import COMPACT, Target, TargetRaised, expect_cache
-from kvlab.measure.case import DEFAULT_ANSWERS, DEFAULT_PROBES, DEFAULT_TEXTS
-from kvlab.measure.certificate import FAIL, INFO, NA, PASS, REFUSED, Line
+from kvlab.measure.audit.target import COMPACT, Target, TargetRaised
+from kvlab.measure.certificate import FAIL, NA, PASS, REFUSED, Line
 from kvlab.measure.certify import FLOOR_BOUND
 from kvlab.measure.metrics import REL_KEY_NOISE, kl_divergence
 from kvlab.measure.sliding import sliding_window
@@ -76,168 +84,6 @@ from kvlab.measure.tokens import TokenSource
 from kvlab.measure.twin import exact_twin
 from kvlab.models.layout import layer_ropes
 from kvlab.models.loaded import LoadedModel
-from kvlab.models.rope import check_composable, longrope_inv_freq, rotate_keys
-
-#: Tokens the audited cache holds (past the sliding window and 8 more, where there is one).
-TOKENS = 48
-
-#: The fractions of each layer's tokens the audit asks a compaction to keep.
-RATIOS = (0.5, 0.25)
-
-#: Tokens fed on top of a result by the length and by-reference lines.
-PROBE_TOKENS = 4
-
-#: How a store's reader places the next token: from the cache (``generate``), or passing positions itself.
-CACHE, EXPLICIT = "cache", "explicit"
-READERS = (CACHE, EXPLICIT)
-
-
-@dataclass
-class Source:
-    """What a compaction reads: ``ids`` ``[n]``, their fp32 cache from 0, the float64 one, and its noise."""
-
-    ids: torch.Tensor
-    cache: DynamicCache
-    exact: DynamicCache
-    floor: float
-
-    @property
-    def n(self) -> int:
-        return int(self.ids.shape[-1])
-
-    @functools.cached_property
-    def held(self) -> list[torch.Tensor]:
-        """Per layer, ``[held]`` the positions its tokens stand at (computed once)."""
-        return held_positions(self.cache)
-
-
-def make_source(model: LoadedModel, twin: LoadedModel, ids: torch.Tensor) -> Source:
-    cache = prefill_ids(model, ids)
-    exact = prefill_ids(twin, ids)
-    return Source(ids, cache, exact, max(REL_KEY_NOISE, own_noise(cache, exact, model)))
-
-
-def draw_keep(cache: DynamicCache, ratio: float, seed: int) -> list[torch.Tensor]:
-    """Per layer, ``[batch, kv_heads, k]`` ascending positions: ``k = ratio`` of the tokens it holds, drawn per head."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for layer, held in zip(cache.layers, held_positions(cache), strict=True):
-        b, h, t, _ = layer.keys.shape
-        k = max(1, round(ratio * t))
-        rows = [torch.randperm(t, generator=g)[:k].sort().values for _ in range(b * h)]
-        out.append((torch.stack(rows) + int(held[0])).reshape(b, h, k))
-    return out
-
-
-def keep_all(cache: DynamicCache) -> list[torch.Tensor]:
-    """Per layer, every token it holds, ``[batch, kv_heads, held]``."""
-    return [
-        held.expand(layer.keys.shape[0], layer.keys.shape[1], -1).clone()
-        for layer, held in zip(cache.layers, held_positions(cache), strict=True)
-    ]
-
-
-class Run:
-    """One call of the target on a fresh copy of the source: ``result``, and the tokens it was asked to keep."""
-
-    def __init__(self, target: Target, model: LoadedModel, source: Source, keep, label: str):
-        self.source, self.keep, self.label = source, keep, label
-        if target.kind == COMPACT:
-            self.input = clone_cache(source.cache, model.config)
-            self.before = snapshot([self.input])
-            got = target.call(self.input, [k.clone() for k in keep], model.model)
-        else:
-            self.input_ids = source.ids[None].clone()
-            got = target.call(model.model, self.input_ids)
-        self.result = expect_cache(got, target.name, label)
-
-
-@dataclass
-class Reading:
-    """What the audit reads in a result: per layer ``[batch, kv_heads, slots]`` tokens (-1: none), and problems."""
-
-    tokens: list[torch.Tensor]
-    wrong: list[str]
-    unread: int
-
-
-def identify(model: LoadedModel, result: DynamicCache, source: Source, keep, positions: str) -> Reading:
-    """Which input token each slot holds, read from the slot without phase; where values coincide, either serves.
-
-    A slot matches a token whose value vector lies within ``REL_KEY_NOISE`` of the layer's scale.
-    Of tokens whose values coincide, the one asked for is taken, else (``original``) the one whose
-    key is nearest, else one not yet taken by that head.
-    """
-    problems = structure_problems(result, source.cache)
-    if problems:
-        raise Unfit("the result cannot hold these tokens: " + "; ".join(problems[:4]))
-    tokens, wrong, unread = [], [], 0
-    for li, (rope, a, b, held) in enumerate(
-        zip(layer_ropes(model.model), result.layers, source.cache.layers, source.held, strict=True)
-    ):
-        slot = "values" if rope.nope else other_slot(rope.slot)
-        x, y = getattr(a, slot).double().cpu(), getattr(b, slot).double().cpu()
-        scale = float(y.abs().max()) or 1.0
-        dist = (x[:, :, :, None, :] - y[:, :, None, :, :]).abs().amax(-1) / scale  # [batch, heads, slots, held]
-        close = dist <= REL_KEY_NOISE
-        pick = dist.argmin(-1)
-        if positions == ORIGINAL and not rope.nope:
-            kx, ky = getattr(a, rope.slot).double().cpu(), getattr(b, rope.slot).double().cpu()
-            kd = (kx[:, :, :, None, :] - ky[:, :, None, :, :]).abs().amax(-1)
-            pick = torch.where(close, kd, math.inf).argmin(-1).where(close.any(-1), pick)
-        asked = None if keep is None else (keep[li] - int(held[0]))
-        ambiguous = (close.sum(-1) > 1).nonzero().tolist()
-        for bi, hi, si in ambiguous:
-            cands = close[bi, hi, si].nonzero().flatten().tolist()
-            if asked is not None and si < asked.shape[-1] and int(asked[bi, hi, si]) in cands:
-                pick[bi, hi, si] = int(asked[bi, hi, si])
-            elif positions != ORIGINAL or rope.nope:
-                # Either serves: the first one after the slot before it, so that order reads as it was kept.
-                taken = set(pick[bi, hi, :si].tolist())
-                after = int(pick[bi, hi, si - 1]) if si else -1
-                free = [c for c in cands if c not in taken]
-                pick[bi, hi, si] = next((c for c in free if c > after), free[0] if free else cands[0])
-        found = (pick + int(held[0])).where(close.any(-1), -1)
-        tokens.append(found)
-        for bi, hi, si in (found < 0).nonzero().tolist()[:2]:
-            near = int(dist[bi, hi, si].argmin())
-            wrong.append(
-                f"layer {li} head {hi} slot {si} matches no input token (nearest: {near + int(held[0])}, "
-                f"{float(dist[bi, hi, si, near]):.2g} relative)"
-            )
-        unread += int((found < 0).sum())
-    return Reading(tokens, wrong, unread)
-
-
-def _declared(run: Run, reading: Reading, positions: str) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
-    """The tokens each slot holds by the contract, the positions they declare, and the next position."""
-    tokens = run.keep if run.keep is not None else reading.tokens
-    new, total = declared_positions([t.cpu() for t in tokens], positions)
-    return tokens, new, run.source.n if positions == ORIGINAL else total
-
-
-def _reference(model: LoadedModel, source: Source, tokens, new, total: int) -> tuple[CacheView, list[torch.Tensor]]:
-    """The exact keys and values of ``tokens`` turned to ``new``, and per layer the positions whose rounding counts."""
-    layers, where = [], []
-    n = source.n
-    for rope, layer, k, p, held in zip(layer_ropes(model.model), source.exact.layers, tokens, new, source.held):
-        slots = (k - int(held[0])).clamp_min(0)
-        keys, values = (
-            t.gather(2, slots[..., None].expand(-1, -1, -1, t.shape[-1])) for t in (layer.keys, layer.values)
-        )
-        if not rope.nope:
-            long = check_composable(rope, [(0, n, total - n)]) if rope.rope_type == "longrope" else False
-            freqs = longrope_inv_freq(model.model, rope, long) if rope.rope_type == "longrope" else rope.inv_freq
-            phased = keys if rope.slot == "keys" else values
-            turned = rotate_keys(phased, freqs.double(), (p - k).double(), pairing=rope.pairing)
-            keys, values = (turned, values) if rope.slot == "keys" else (keys, turned)
-        layers.append(LayerView(keys, values, keys.shape[-2]))
-        where.append((k + (p - k).abs())[0].double())
-    return CacheView(layers), where
-
-
-def _view(cache: DynamicCache) -> CacheView:
-    return CacheView([LayerView(x.keys, x.values, x.keys.shape[-2]) for x in cache.layers])
 
 
 def audit_compact(
@@ -272,7 +118,7 @@ def audit_compact(
     press = target.kind != COMPACT
     runs: list[tuple[Run, Reading]] = []
     lines, refusal = _phase(model, target, source, positions, seed, runs)
-    lines = _kept_tokens(runs, positions, press, refusal) + lines
+    lines = kept_tokens_line(runs, positions, press, refusal) + lines
     lines += guarded(
         "values",
         "the slot without phase",
@@ -304,7 +150,7 @@ def audit_compact(
             lambda: _keep_all(model, target, source, positions), refusal,
         )  # fmt: skip
     lines += _refusal(target, positions, seed)
-    lines += _context(model, target, positions, reader, refusal)
+    lines += context_line(model, target, positions, reader, refusal)
     return lines
 
 
@@ -333,21 +179,21 @@ def _phase(model, target, source: Source, positions: str, seed: int, runs: list)
                 refused.append((label, e.failure, refusal))
                 continue
             reading = identify(model, run.result, source, keep, positions)
-            tokens, new, total = _declared(run, reading, positions)
+            tokens, new, total = declared_at(run, reading, positions)
             if positions == KEPT and (why := kvlab_refusal(model, [(0, n, total - n)])):
                 raise Unfit(f"re-rotated {n} tokens to {total}, a rotation that does not compose: {why[:200]}")
             runs.append((run, reading))
             if reading.unread and keep is None:
                 raise Unfit(f"{reading.unread} slots hold no input token (the kept tokens line says which)")
-            ref, where = _reference(model, source, tokens, new, total)
-            errors = key_error_by_kind(_view(run.result), ref, model, source.floor, positions=where)
+            ref, where = exact_reference(model, source, tokens, new, total)
+            errors = key_error_by_kind(result_view(run.result), ref, model, source.floor, positions=where)
             if any(value > 1 for value, _ in errors.values()):
                 # Only a failing line is worded by the other convention: its reference is built then.
                 flip = ORIGINAL if positions == KEPT else KEPT
-                _, new2, total2 = _declared(run, reading, flip)
-                ref2, where2 = _reference(model, source, tokens, new2, total2)
+                _, new2, total2 = declared_at(run, reading, flip)
+                ref2, where2 = exact_reference(model, source, tokens, new2, total2)
                 for kind, (value, _) in key_error_by_kind(
-                    _view(run.result), ref2, model, source.floor, positions=where2
+                    result_view(run.result), ref2, model, source.floor, positions=where2
                 ).items():
                     other[kind] = max(other.get(kind, 0.0), value)
             else:
@@ -389,50 +235,6 @@ def _phase(model, target, source: Source, positions: str, seed: int, runs: list)
     return out, None
 
 
-def _kept_tokens(runs: list, positions: str, press: bool, refusal: str | None) -> list[Line]:
-    """Every slot holds an input token, per head, none twice, ascending for ``kept``; a compaction's, the one asked for."""
-    scope = "every slot of every head" + ("" if press else ", against keep")
-    if not runs:
-        status = REFUSED if refusal else FAIL
-        return [Line("kept tokens", scope, None, 0, "slots wrong", status, "nothing to read (the phase line says why)")]
-    problems, count = [], 0
-    for run, reading in runs:
-        problems += reading.wrong
-        count += reading.unread
-        for li, found in enumerate(reading.tokens):
-            if run.keep is not None:
-                asked = run.keep[li].to(found.device)
-                if asked.shape != found.shape:
-                    problems.append(f"layer {li} holds {found.shape[-1]} slots, keep asks for {asked.shape[-1]}")
-                    count += abs(found.shape[-1] - asked.shape[-1])
-                    continue
-                bad = (found != asked) & (found >= 0)
-                count += int(bad.sum())
-                for bi, hi, si in bad.nonzero().tolist()[:1]:
-                    problems.append(
-                        f"{run.label}: layer {li} head {hi} slot {si} holds token {int(found[bi, hi, si])}, "
-                        f"keep asks for {int(asked[bi, hi, si])}"
-                    )
-                continue
-            for bi in range(found.shape[0]):
-                for hi in range(found.shape[1]):
-                    row = [t for t in found[bi, hi].tolist() if t >= 0]
-                    twice = len(row) - len(set(row))
-                    if twice:
-                        count += twice
-                        problems.append(f"layer {li} head {hi} holds a token twice")
-                    elif positions == KEPT and row != sorted(row):
-                        count += 1
-                        problems.append(
-                            f"layer {li} head {hi} holds its tokens out of order (positions=kept reads slot order as position)"
-                        )
-    heads = {tuple(t.shape[:2]) for _, r in runs for t in r.tokens}
-    detail = "; ".join(problems[:4]) + (f" (+{len(problems) - 4})" if len(problems) > 4 else "")
-    kept = sorted({t.shape[-1] for _, r in runs for t in r.tokens})
-    ok = f"every slot read from its values; layers keep {kept} slots per head of {sorted(heads)} [batch, heads]"
-    return [Line("kept tokens", scope, count, 0, "slots wrong", FAIL if count else PASS, detail or ok)]
-
-
 def _values(model: LoadedModel, runs: list, positions: str) -> list[Line]:
     """The slot without phase is the kept token's own, from the input."""
     ropes = layer_ropes(model.model)
@@ -461,7 +263,7 @@ def _length(model: LoadedModel, runs: list, positions: str, probe: torch.Tensor,
     """
     run, reading = runs[0]
     n = run.source.n
-    _, _, total = _declared(run, reading, positions)
+    _, _, total = declared_at(run, reading, positions)
     result = run.result
     kept = max(layer.keys.shape[-2] for layer in result.layers)
     how = "positions passed by the reader" if reader == EXPLICIT else "positions from the cache"
@@ -596,78 +398,7 @@ def _refusal(target: Target, positions: str, seed: int) -> list[Line]:
     line = refusal_line(
         scope, attempt, "re-rotated", "it re-rotated them: " + REFUSAL_WHY + "; a compaction must refuse it"
     )
-    if target.kind != COMPACT and got and _prefix_kept(dyn, got[0], ids):
+    if target.kind != COMPACT and got and prefix_kept(dyn, got[0], ids):
         why = "the press kept a prefix at its own positions (slot j holds token j, as crop does): no key turned"
         return [Line("refusal", scope, None, None, "", NA, why + ", nothing to refuse")]
     return line
-
-
-def _prefix_kept(model: LoadedModel, result, ids: torch.Tensor) -> bool:
-    """Whether every layer of a press's ``result`` holds tokens ``0 .. k-1`` in slots ``0 .. k-1`` (read from values)."""
-    if not isinstance(result, DynamicCache):
-        return False
-    cache = prefill_ids(model, ids)
-    try:
-        reading = identify(model, result, Source(ids, cache, cache, REL_KEY_NOISE), None, KEPT)
-    except Unfit:
-        return False
-    return all(torch.equal(t, torch.arange(t.shape[-1]).expand_as(t)) for t in reading.tokens)
-
-
-@torch.inference_mode()
-def answer_span_kl(
-    model: LoadedModel, cache: DynamicCache, full: DynamicCache, probe: str, answer: str, start: int | None = None
-) -> tuple[float, bool]:
-    """Teacher-forced KL (nats per answer token) behind ``cache`` against ``full``, and whether both read the same first token.
-
-    ``probe`` then ``" " + answer`` are fed on copies of both caches, positions taken from each
-    cache as ``generate`` takes them (or, behind ``cache``, from ``start`` on, for a reader that
-    passes its own); the KL is averaged over the answer's tokens.
-    """
-    p, a = tokenize(model, probe), tokenize(model, " " + answer)
-    ids = torch.cat([p, a])[None].to(model.device)
-
-    def read(c: DynamicCache, at: int | None = None) -> torch.Tensor:
-        extra = {} if at is None else {"position_ids": (at + torch.arange(ids.shape[-1]))[None].to(model.device)}
-        out = forward(model.model, copy.deepcopy(c), input_ids=ids, use_cache=True, **extra)
-        return torch.log_softmax(out.logits[0, len(p) - 1 : -1].double(), -1)
-
-    lq, lp = read(cache, start), read(full)
-    kl = float((lp.exp() * (lp - lq)).sum(-1).mean())
-    return kl, bool(lp[0].argmax() == lq[0].argmax())
-
-
-def _context(model: LoadedModel, target: Target, positions: str, reader: str, refusal: str | None) -> list[Line]:
-    """What compaction costs (information): answer-span KL against the full cache, kvlab's compaction beside it."""
-    ids = torch.cat([tokenize(model, t, bos=(i == 0)) for i, t in enumerate(DEFAULT_TEXTS)])
-    full = prefill_ids(model, ids)
-    ratio = RATIOS[0]
-    scope = f"{len(DEFAULT_TEXTS)} story texts ({ids.numel()} tokens), {len(DEFAULT_PROBES)} probes, keep {ratio:g}"
-
-    def measure() -> list[Line]:
-        if target.kind == COMPACT:
-            keep = low_key_norms(full, ratio)
-            result = expect_cache(target.call(clone_cache(full, model.config), keep, model.model), target.name, scope)
-        else:
-            result = expect_cache(target.call(model.model, ids[None].clone()), target.name, scope)
-            reading = identify(model, result, Source(ids, full, full, REL_KEY_NOISE), None, positions)
-            if reading.unread:
-                raise Unfit(f"{reading.unread} slots hold no input token")
-            # Under original a slot's order changes no attention (kvpress's scorers keep top-k order).
-            keep = [t.sort(-1).values for t in reading.tokens] if positions == ORIGINAL else reading.tokens
-        start = None
-        if reader == EXPLICIT:
-            start = ids.numel() if positions == ORIGINAL else max(t.shape[-1] for t in keep)
-        rows = [answer_span_kl(model, result, full, p, a, start) for p, a in zip(DEFAULT_PROBES, DEFAULT_ANSWERS)]
-        kl = sum(r[0] for r in rows) / len(rows)
-        try:
-            own = compact(full, keep, model, positions=positions)
-            mine = sum(answer_span_kl(model, own, full, p, a)[0] for p, a in zip(DEFAULT_PROBES, DEFAULT_ANSWERS))
-            beside = f"; kvlab's compaction of the same tokens {mine / len(rows):.3g}"
-        except KvlabError as e:
-            beside = f"; kvlab refuses the same compaction: {str(e)[:80]}"
-        detail = f"top-1 agrees {sum(r[1] for r in rows)}/{len(rows)}{beside}"
-        return [Line("context error", scope, kl, None, "nats/token", INFO, detail)]
-
-    lines = guarded("context error", scope, None, "nats/token", measure, refusal)
-    return [Line(x.check, x.scope, x.value, x.bound, x.unit, INFO, x.detail) for x in lines]

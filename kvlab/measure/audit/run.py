@@ -14,7 +14,8 @@ from kvlab.cache.compact import POSITIONS
 from kvlab.compat import untested
 from kvlab.errors import AuditTargetError
 from kvlab.files.identity import fingerprint, package_versions
-from kvlab.measure.audit.compact import CACHE, READERS, audit_compact
+from kvlab.measure.audit.compact import audit_compact
+from kvlab.measure.audit.compact_source import CACHE, READERS
 from kvlab.measure.audit.merge import LENGTHS, audit_merge
 from kvlab.measure.audit.shift import audit_shift
 from kvlab.measure.audit.store import audit_store
