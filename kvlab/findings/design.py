@@ -26,7 +26,9 @@ REQUIRED = ("name", "primary", "arms", "family", "n_questions", "n_caches")
 def load_design(path) -> dict:
     """The design in ``path`` (TOML), checked: every key of :data:`REQUIRED`, comparisons naming its arms.
 
-    A comparison is ``"arm_a - arm_b"`` (paired, per question); ``family`` lists them.
+    A comparison is ``"arm_a - arm_b"`` (paired, per question, on the primary outcome) or
+    ``"arm_a - arm_b: outcome"`` with ``outcome`` one of the design's ``outcomes``; ``family``
+    lists them.
 
     Raises
     ------
@@ -42,10 +44,16 @@ def load_design(path) -> dict:
     if missing:
         raise DesignError(f"design {path}: says nothing of {', '.join(missing)} (a design names {', '.join(REQUIRED)})")
     arms = set(design["arms"])
+    outcomes = set(design.get("outcomes", []))
     for comparison in design["family"]:
-        parts = [p.strip() for p in str(comparison).split(" - ")]
+        pair, _, outcome = str(comparison).partition(":")
+        parts = [p.strip() for p in pair.split(" - ")]
         if len(parts) != 2 or not set(parts) <= arms:
             raise DesignError(f"design {path}: comparison {comparison!r} is not 'arm - arm' of its arms {sorted(arms)}")
+        if outcome and outcome.strip() not in outcomes:
+            raise DesignError(
+                f"design {path}: comparison {comparison!r} names an outcome not in its outcomes {sorted(outcomes)}"
+            )
     for k in ("n_questions", "n_caches"):
         if not isinstance(design[k], int) or design[k] < 1:
             raise DesignError(f"design {path}: {k} must be a positive integer, got {design[k]!r}")

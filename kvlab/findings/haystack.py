@@ -95,7 +95,7 @@ def corpus(seed: int = 0) -> tuple[str, ...]:
     return tuple(s for name in names for s in sentences(essays()[name]))
 
 
-def _fill(sents: Sequence[str], start: int, budget: int, count: Callable[[str], int]) -> int:
+def fill(sents: Sequence[str], start: int, budget: int, count: Callable[[str], int]) -> int:
     """The end of the run of sentences from ``start`` that fits in ``budget`` tokens, joined by spaces.
 
     Raises
@@ -170,7 +170,7 @@ def haystack_set(
         budget = fragment_tokens - count_tokens(" ".join(needle(t, c) for _, t, c in here)) - len(here)
         if at >= len(sents):
             raise EvalSetError(f"the essays ran out at sentence {at}: ask for fewer or shorter haystacks")
-        end = _fill(sents, at, budget, count_tokens)
+        end = fill(sents, at, budget, count_tokens)
         body = list(sents[at:end])
         for frac, town, code in reversed(here):  # the deepest first, so earlier places stay put
             body.insert(round(frac * len(body)), needle(town, code))

@@ -98,12 +98,29 @@ def test_a_design_edited_after_its_commit_is_refused_before_the_run_and_caught_a
         (DESIGN.replace('primary = "exact match"\n', ""), "says nothing of primary"),
         (DESIGN.replace('"reprefill - naive"', '"recompute - naive"'), "is not 'arm - arm'"),
         (DESIGN.replace("n_caches = 20", "n_caches = 0"), "n_caches must be a positive integer"),
+        (
+            DESIGN.replace('"reprefill - naive"', '"reprefill - naive: truth NLL"'),
+            "names an outcome not in its outcomes",
+        ),
     ],
 )
 def test_an_incomplete_design_is_refused_by_name(tmp_path, text, words):
     (tmp_path / "d.toml").write_text(text)
     with pytest.raises(DesignError, match=words):
         load_design(tmp_path / "d.toml")
+
+
+def test_a_comparison_may_name_one_of_the_designs_outcomes(tmp_path):
+    text = DESIGN.replace('"reprefill - naive"', '"reprefill - naive: truth NLL"') + 'outcomes = ["truth NLL"]\n'
+    (tmp_path / "d.toml").write_text(text)
+    assert load_design(tmp_path / "d.toml")["family"][1] == "reprefill - naive: truth NLL"
+
+
+def test_the_projects_designs_are_complete():
+    designs = sorted((ROOT / "studies" / "designs").glob("*.toml"))
+    assert designs, "studies/designs/ holds no design"
+    for path in designs:
+        load_design(path)
 
 
 def test_an_untracked_design_is_refused(repo):
