@@ -1,0 +1,131 @@
+"""Needles with room to fail: do the merge strategies hold when the question paraphrases and distractors compete?
+
+The haystack study (``studies/haystack.py``) left no room to fail: its joined prefill answered 0.99.
+Here each haystack (a stretch of Paul Graham's essays, ``kvlab.findings.haystack``) holds one
+needle and 2 to 4 distractors of the needle's own template with other towns and values, in other
+fragments; the question paraphrases the needle (``kvlab.findings.distractors``); the needle's
+fragment and its depth within that fragment are drawn independently (one cache per fragment
+index per haystack).
+
+Two steps, in this order, each committed before the next:
+
+1. **The pilot** (``--pilot N``): the joined prefill alone, at round N's fragment counts and
+   lengths (:data:`PILOT`), on haystacks :data:`PILOT_HAYSTACKS` (text the run does not read). It
+   picks the design whose reference answers between 0.6 and 0.9 on both models. Rows:
+   ``results/needle/pilot<N>_<model>.csv``, labelled ``"pilot": true`` in the ``.json`` beside them.
+2. **The run**: the design in ``studies/designs/needle.toml`` (committed before the run:
+   :func:`kvlab.findings.design.register` refuses it otherwise) names the count, the length, the
+   haystacks, the arms, the family and the primary outcome. Rows: ``results/needle/rows_<model>.csv``;
+   the ``.json`` records the design's commit.
+
+    .venv/bin/python studies/needle.py --pilot 1 --model smollm2-135m
+    .venv/bin/python studies/needle.py --model smollm2-135m
+    .venv/bin/python studies/needle.py --model smollm2-135m --markdown   # tables from the committed rows
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from kvlab.atomic import atomic_write_text
+from kvlab.findings import haystack
+from kvlab.findings.design import load_design, register
+from kvlab.findings.needle_rows import GREEDY, TEXT, merges, needle_rows, pilot_rows
+from kvlab.findings.needle_table import pilot_table
+from kvlab.findings.rows import read_rows, run_sets
+from kvlab.lab import setup
+from kvlab.lab.provenance import study_run
+from kvlab.models.sources import load_model
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "results" / "needle"
+DESIGN = ROOT / "studies" / "designs" / "needle.toml"
+#: The pilot's rounds of designs, ``(fragments, tokens per fragment)``, and its haystacks (none the
+#: run reads). Round 1 answered 0.30-0.50 on both models, below the band, and SmolLM2 found the
+#: needle mostly in the last fragment (0.87, against 0.20-0.40 in the others): round 2 has fewer, shorter fragments.
+PILOT = {1: ((4, 128), (4, 256), (4, 512)), 2: ((2, 64), (2, 128), (2, 256))}
+PILOT_HAYSTACKS = range(30, 35)
+
+
+def pilot(model_name: str, rnd: int, seed: int, out: Path) -> list[dict]:
+    setup(seed)
+    model = load_model(model_name)
+    started = time.perf_counter()
+    path = out / f"pilot{rnd}_{model.name}.csv"
+    designs = PILOT[rnd]
+
+    def one(j: int) -> list[dict]:
+        h, (k, tokens) = PILOT_HAYSTACKS[j % len(PILOT_HAYSTACKS)], designs[j // len(PILOT_HAYSTACKS)]
+        return pilot_rows(model, h, k, tokens, seed)
+
+    rows, walls = run_sets(path, range(len(designs) * len(PILOT_HAYSTACKS)), one)
+    record = {
+        "pilot": True,
+        "round": rnd,
+        "model": model.name,
+        "designs": [list(d) for d in designs],
+        "haystacks": list(PILOT_HAYSTACKS),
+        "seed": seed,
+        "essays": f"{haystack.PACKAGE}=={haystack.VERSION}",
+        "greedy_tokens": GREEDY,
+        "set_wall_s": walls,
+        **study_run("studies/needle.py", started),
+    }
+    atomic_write_text(path.with_suffix(".json"), json.dumps(record, indent=1) + "\n")
+    return rows
+
+
+def run(model_name: str, out: Path) -> list[dict]:
+    record = register(DESIGN, ROOT)  # refuses a design not committed as it is
+    d = load_design(DESIGN)
+    setup(d["seed"])
+    model = load_model(model_name)
+    started = time.perf_counter()
+    path = out / f"rows_{model.name}.csv"
+    reads = merges(d["ratio"], d["seed"])
+    rows, walls = run_sets(
+        path,
+        range(d["n_caches"]),
+        lambda h: needle_rows(model, h, d["n_fragments"], d["fragment_tokens"], d["seed"], reads),
+    )
+    meta = {
+        "design": record,
+        "model": model.name,
+        "haystacks": d["n_caches"],
+        "n_fragments": d["n_fragments"],
+        "fragment_tokens": d["fragment_tokens"],
+        "ratio": d["ratio"],
+        "seed": d["seed"],
+        "essays": f"{haystack.PACKAGE}=={haystack.VERSION}",
+        "greedy_tokens": GREEDY,
+        "set_wall_s": walls,
+        **study_run("studies/needle.py", started),
+    }
+    atomic_write_text(path.with_suffix(".json"), json.dumps(meta, indent=1) + "\n")
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--pilot", type=int, choices=sorted(PILOT), help="a pilot round: the joined prefill at its designs")
+    ap.add_argument("--seed", type=int, default=0, help="the pilot's seed (the run reads its design's)")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--markdown", action="store_true", help="print the tables from the committed rows; no model")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.pilot:
+        rows = pilot(args.model, args.pilot, args.seed, args.out) if not args.markdown else None
+        print(pilot_table(rows or read_rows(args.out / f"pilot{args.pilot}_{args.model}.csv", text=TEXT), args.model))
+        return
+    if args.markdown:
+        raise SystemExit("the run's tables come with its design; only --pilot N --markdown prints tables yet")
+    rows = run(args.model, args.out)
+    print(f"{len(rows)} rows written to {args.out / f'rows_{args.model}.csv'}")
+
+
+if __name__ == "__main__":
+    main()
