@@ -32,12 +32,13 @@ from pathlib import Path
 
 from kvlab.atomic import atomic_write_text
 from kvlab.findings import haystack
-from kvlab.findings.design import load_design, register
+from kvlab.findings.design import load_design
 from kvlab.findings.needle_rows import GREEDY, TEXT, merges, needle_rows, pilot_rows
 from kvlab.findings.needle_table import pilot_table
 from kvlab.findings.rows import read_rows, run_sets
 from kvlab.lab import setup
 from kvlab.lab.provenance import study_run
+from kvlab.lab.study import run_design_study
 from kvlab.models.sources import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,33 +80,19 @@ def pilot(model_name: str, rnd: int, seed: int, out: Path) -> list[dict]:
 
 
 def run(model_name: str, out: Path) -> list[dict]:
-    record = register(DESIGN, ROOT)  # refuses a design not committed as it is
     d = load_design(DESIGN)
-    setup(d["seed"])
-    model = load_model(model_name)
-    started = time.perf_counter()
-    path = out / f"rows_{model.name}.csv"
     reads = merges(d["ratio"], d["seed"])
-    rows, walls = run_sets(
-        path,
-        range(d["n_caches"]),
-        lambda h: needle_rows(model, h, d["n_fragments"], d["fragment_tokens"], d["seed"], reads),
+    return run_design_study(
+        "studies/needle.py",
+        DESIGN,
+        ROOT,
+        out,
+        model_name,
+        lambda model, d, h: needle_rows(model, h, d["n_fragments"], d["fragment_tokens"], d["seed"], reads),
+        **{k: d[k] for k in ("n_fragments", "fragment_tokens", "ratio", "seed")},
+        essays=f"{haystack.PACKAGE}=={haystack.VERSION}",
+        greedy_tokens=GREEDY,
     )
-    meta = {
-        "design": record,
-        "model": model.name,
-        "haystacks": d["n_caches"],
-        "n_fragments": d["n_fragments"],
-        "fragment_tokens": d["fragment_tokens"],
-        "ratio": d["ratio"],
-        "seed": d["seed"],
-        "essays": f"{haystack.PACKAGE}=={haystack.VERSION}",
-        "greedy_tokens": GREEDY,
-        "set_wall_s": walls,
-        **study_run("studies/needle.py", started),
-    }
-    atomic_write_text(path.with_suffix(".json"), json.dumps(meta, indent=1) + "\n")
-    return rows
 
 
 def main() -> None:

@@ -18,18 +18,13 @@ committed before the run (:func:`kvlab.findings.design.register` refuses it othe
 from __future__ import annotations
 
 import argparse
-import json
-import time
 from pathlib import Path
 
-from kvlab.atomic import atomic_write_text
-from kvlab.findings.design import load_design, register
+from kvlab.findings.design import load_design
 from kvlab.findings.order_arm import GREEDY, set_rows
 from kvlab.findings.order_table import table
-from kvlab.findings.rows import read_rows, run_sets
-from kvlab.lab import setup
-from kvlab.lab.provenance import study_run
-from kvlab.models.sources import load_model
+from kvlab.findings.rows import read_rows
+from kvlab.lab.study import run_design_study
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results" / "order_nearness"
@@ -38,25 +33,18 @@ TEXT = ("answer", "truth", "ref_answer")
 
 
 def run(model_name: str, out: Path) -> list[dict]:
-    record = register(DESIGN, ROOT)  # refuses a design not committed as it is
     d = load_design(DESIGN)
-    setup(d["seed"])
-    model = load_model(model_name)
-    started = time.perf_counter()
-    path = out / f"rows_{model.name}.csv"
-    rows, walls = run_sets(path, range(d["n_caches"]), lambda j: set_rows(model, j, d["fragment_tokens"], d["seed"]))
-    meta = {
-        "design": record,
-        "model": model.name,
-        "sets": d["n_caches"],
-        "fragment_tokens": d["fragment_tokens"],
-        "seed": d["seed"],
-        "greedy_tokens": GREEDY,
-        "set_wall_s": walls,
-        **study_run("studies/order_nearness.py", started),
-    }
-    atomic_write_text(path.with_suffix(".json"), json.dumps(meta, indent=1) + "\n")
-    return rows
+    return run_design_study(
+        "studies/order_nearness.py",
+        DESIGN,
+        ROOT,
+        out,
+        model_name,
+        lambda model, d, j: set_rows(model, j, d["fragment_tokens"], d["seed"]),
+        fragment_tokens=d["fragment_tokens"],
+        seed=d["seed"],
+        greedy_tokens=GREEDY,
+    )
 
 
 def main() -> None:

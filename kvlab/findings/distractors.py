@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from kvlab.errors import EvalSetError
 from kvlab.findings.evalset import EvalSet, Names, Question, normalize
-from kvlab.findings.haystack import fill
+from kvlab.findings.haystack import cut
 
 #: Words a paraphrase may share with its needle: they carry no content.
 STOPWORDS = frozenset(
@@ -191,18 +191,7 @@ def distractor_set(
     }
     for (g, w), town, v in zip(placement.distractors, towns, values[1:]):
         inserts.setdefault(g, []).append((w, t.sentence(town, v)))
-    passages, at = [], start
-    for i in range(n_fragments):
-        here = sorted(inserts.get(i, []))
-        budget = fragment_tokens - count_tokens(" ".join(s for _, s in here)) - len(here)
-        if at >= len(sents):
-            raise EvalSetError(f"the essays ran out at sentence {at}: ask for fewer or shorter haystacks")
-        end = fill(sents, at, budget, count_tokens)
-        body = list(sents[at:end])
-        for w, sentence in reversed(here):  # the deepest first, so earlier places stay put
-            body.insert(round(w * len(body)), sentence)
-        passages.append(" ".join(body))
-        at = end
+    passages, at = cut(sents, start, n_fragments, fragment_tokens, inserts, count_tokens)
     q = Question(
         t.question.format(s=subject), values[0], (placement.fragment,), t.name, subject, t.lead.format(s=subject)
     )

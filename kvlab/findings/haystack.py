@@ -95,7 +95,7 @@ def corpus(seed: int = 0) -> tuple[str, ...]:
     return tuple(s for name in names for s in sentences(essays()[name]))
 
 
-def fill(sents: Sequence[str], start: int, budget: int, count: Callable[[str], int]) -> int:
+def _fill(sents: Sequence[str], start: int, budget: int, count: Callable[[str], int]) -> int:
     """The end of the run of sentences from ``start`` that fits in ``budget`` tokens, joined by spaces.
 
     Raises
@@ -109,6 +109,39 @@ def fill(sents: Sequence[str], start: int, budget: int, count: Callable[[str], i
     while end < len(sents) and count(" ".join(sents[start : end + 1])) <= budget:
         end += 1
     return end
+
+
+def cut(
+    sents: Sequence[str],
+    start: int,
+    n_fragments: int,
+    fragment_tokens: int,
+    inserts: dict[int, list[tuple[float, str]]],
+    count_tokens: Callable[[str], int],
+) -> tuple[list[str], int]:
+    """``(passages, end)``: ``n_fragments`` runs of sentences from ``start``, each with its inserted sentences.
+
+    ``inserts[i]`` lists ``(share, sentence)`` for passage ``i``: each sentence goes at that share
+    of the passage's essay sentences, and the passage with them stays within ``fragment_tokens``.
+
+    Raises
+    ------
+    EvalSetError
+        The essays run out, or one essay sentence alone breaks a passage's budget.
+    """
+    passages, at = [], start
+    for i in range(n_fragments):
+        here = sorted(inserts.get(i, []))
+        budget = fragment_tokens - count_tokens(" ".join(s for _, s in here)) - len(here)
+        if at >= len(sents):
+            raise EvalSetError(f"the essays ran out at sentence {at}: ask for fewer or shorter haystacks")
+        end = _fill(sents, at, budget, count_tokens)
+        body = list(sents[at:end])
+        for share, sentence in reversed(here):  # the deepest first, so earlier places stay put
+            body.insert(round(share * len(body)), sentence)
+        passages.append(" ".join(body))
+        at = end
+    return passages, at
 
 
 def needle(town: str, code: str) -> str:
@@ -164,18 +197,8 @@ def haystack_set(
     placed: dict[int, list[tuple[float, str, str]]] = {}
     for d, (town, code) in zip(depths, keys):
         placed.setdefault(int(d * n_fragments), []).append((d * n_fragments % 1, town, code))
-    passages, at = [], start
-    for i in range(n_fragments):
-        here = sorted(placed.get(i, []))
-        budget = fragment_tokens - count_tokens(" ".join(needle(t, c) for _, t, c in here)) - len(here)
-        if at >= len(sents):
-            raise EvalSetError(f"the essays ran out at sentence {at}: ask for fewer or shorter haystacks")
-        end = fill(sents, at, budget, count_tokens)
-        body = list(sents[at:end])
-        for frac, town, code in reversed(here):  # the deepest first, so earlier places stay put
-            body.insert(round(frac * len(body)), needle(town, code))
-        passages.append(" ".join(body))
-        at = end
+    inserts = {i: [(frac, needle(t, c)) for frac, t, c in here] for i, here in placed.items()}
+    passages, at = cut(sents, start, n_fragments, fragment_tokens, inserts, count_tokens)
     questions = [
         Question(
             f"What is the vault code for {town}?",

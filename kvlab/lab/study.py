@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvlab.atomic import atomic_write_text
+from kvlab.findings.design import load_design, register
 from kvlab.findings.rows import run_sets
 from kvlab.lab import setup
 from kvlab.lab.provenance import study_run
@@ -92,3 +93,31 @@ def run_set_study(
     record |= {"tokens": args.tokens, **meta, "set_wall_s": walls, **study_run(script, started)}
     atomic_write_text(path.with_suffix(".json"), json.dumps(record, indent=1) + "\n")
     return rows, model
+
+
+def run_design_study(
+    script: str,
+    design: Path,
+    root: Path,
+    out: Path,
+    model_name: str,
+    one_set: Callable[[LoadedModel, dict, int], list[dict]],
+    **meta,
+) -> list[dict]:
+    """Run a pre-registered study: sets ``0 .. n_caches - 1`` of the committed design ``design``.
+
+    :func:`kvlab.findings.design.register` refuses a design git does not hold as committed before
+    anything loads. Rows go to ``out/rows_<model>.csv``; the record beside them holds the design's
+    commit, the model, ``sets``, ``meta``, each set's wall seconds and
+    :func:`kvlab.lab.provenance.study_run`. ``one_set(model, design, j)`` returns set ``j``'s rows.
+    """
+    record = register(design, root)
+    d = load_design(design)
+    setup(d.get("seed", 0))
+    model = load_model(model_name)
+    started = time.perf_counter()
+    path = Path(out) / f"rows_{model.name}.csv"
+    rows, walls = run_sets(path, range(d["n_caches"]), lambda j: one_set(model, d, j))
+    doc = {"design": record, "model": model.name, "sets": d["n_caches"], **meta, "set_wall_s": walls}
+    atomic_write_text(path.with_suffix(".json"), json.dumps(doc | study_run(script, started), indent=1) + "\n")
+    return rows

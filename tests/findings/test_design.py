@@ -131,3 +131,12 @@ def test_an_untracked_design_is_refused(repo):
 
 def test_every_committed_result_that_carries_a_design_came_after_it():
     assert preregistration_problems(ROOT) == []
+
+
+def test_a_design_study_refuses_an_uncommitted_design_before_it_loads_a_model(repo):
+    from kvlab.lab.study import run_design_study
+
+    (repo / "new.toml").write_text(DESIGN)
+    with pytest.raises(DesignError, match="uncommitted changes"):
+        run_design_study("s.py", repo / "new.toml", repo, repo, "no-such-model", lambda m, d, j: [])
+    assert not (repo / "rows_no-such-model.csv").exists()
