@@ -45,10 +45,12 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results" / "needle"
 DESIGN = ROOT / "studies" / "designs" / "needle.toml"
 #: The pilot's rounds of designs, ``(fragments, tokens per fragment)``, and its haystacks (none the
-#: run reads). Round 1 answered 0.30-0.50 on both models, below the band, and SmolLM2 found the
-#: needle mostly in the last fragment (0.87, against 0.20-0.40 in the others): round 2 has fewer, shorter fragments.
-PILOT = {1: ((4, 128), (4, 256), (4, 512)), 2: ((2, 64), (2, 128), (2, 256))}
-PILOT_HAYSTACKS = range(30, 35)
+#: run reads). Each round follows from the one before (results/README.md, "Needles with room to
+#: fail"): round 1 was below the band, so round 2 has fewer fragments (64 tokens cannot hold a needle
+#: and four distractors); 3 x 128 cannot hold every haystack either, so round 3 reads 2 x 256 again
+#: and 2 x 512 on six more haystacks.
+PILOT = {1: ((4, 128), (4, 256), (4, 512)), 2: ((2, 128), (2, 256), (3, 128)), 3: ((2, 256), (2, 512))}
+PILOT_HAYSTACKS = {1: range(30, 35), 2: range(30, 35), 3: range(35, 41)}
 
 
 def pilot(model_name: str, rnd: int, seed: int, out: Path) -> list[dict]:
@@ -56,19 +58,19 @@ def pilot(model_name: str, rnd: int, seed: int, out: Path) -> list[dict]:
     model = load_model(model_name)
     started = time.perf_counter()
     path = out / f"pilot{rnd}_{model.name}.csv"
-    designs = PILOT[rnd]
+    designs, hays = PILOT[rnd], PILOT_HAYSTACKS[rnd]
 
     def one(j: int) -> list[dict]:
-        h, (k, tokens) = PILOT_HAYSTACKS[j % len(PILOT_HAYSTACKS)], designs[j // len(PILOT_HAYSTACKS)]
+        h, (k, tokens) = hays[j % len(hays)], designs[j // len(hays)]
         return pilot_rows(model, h, k, tokens, seed)
 
-    rows, walls = run_sets(path, range(len(designs) * len(PILOT_HAYSTACKS)), one)
+    rows, walls = run_sets(path, range(len(designs) * len(hays)), one)
     record = {
         "pilot": True,
         "round": rnd,
         "model": model.name,
         "designs": [list(d) for d in designs],
-        "haystacks": list(PILOT_HAYSTACKS),
+        "haystacks": list(hays),
         "seed": seed,
         "essays": f"{haystack.PACKAGE}=={haystack.VERSION}",
         "greedy_tokens": GREEDY,

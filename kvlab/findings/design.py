@@ -54,7 +54,7 @@ def load_design(path) -> dict:
             raise DesignError(
                 f"design {path}: comparison {comparison!r} names an outcome not in its outcomes {sorted(outcomes)}"
             )
-    for k in ("n_questions", "n_caches"):
+    for k in ("n_questions", "n_caches", *(["n_sets"] if "n_sets" in design else [])):
         if not isinstance(design[k], int) or design[k] < 1:
             raise DesignError(f"design {path}: {k} must be a positive integer, got {design[k]!r}")
     return design

@@ -1,22 +1,30 @@
 """The distractor needle study's tables, its named family and its conclusions, from its committed rows.
 
 One home for what ``studies/needle.py`` prints and what ``results/README.md`` and the tests
-recompute, so all of them read the same rows the same way.
+recompute, so all of them read the same rows the same way. A question is one needle of one cache
+(``set``, ``cache``, ``question``); a haystack (``set``) holds one cache per fragment index and
+is what the bootstrap resamples: its caches share their text, so they are not independent.
 """
 
 from __future__ import annotations
 
 from kvlab.findings import longctx
-from kvlab.measure.stats import fmt_ci, proportion_ci
+from kvlab.measure.stats import fmt_ci, paired_family, proportion_ci
 
 #: A haystack at one design: its caches (one per fragment index) resampled together.
 CLUSTER = ("n_fragments", "fragment_tokens", "set")
 #: The reference's exact match the design must reach on each model (issue 56: room to fail, and to succeed).
 BAND = (0.6, 0.9)
+#: The outcomes a design may name, and the row column each reads (exact match and capture are rates).
+OUTCOMES = {"exact match": "em", "truth NLL": "nll", "distractor captured": "captured"}
 
 
 def _cluster(r: dict) -> tuple:
     return tuple(r[c] for c in CLUSTER)
+
+
+def _key(r: dict) -> tuple:
+    return r["set"], r["cache"], r["question"]
 
 
 def pilot_table(rows: list[dict], model: str, seed: int = 0) -> str:
@@ -38,3 +46,144 @@ def pilot_table(rows: list[dict], model: str, seed: int = 0) -> str:
             f"| {k} x {t} | {len(rs)} | {len(set(cl))} | {fmt_ci(em, '.2f')} | {fmt_ci(nll, '.2f')} | {fmt_ci(cap, '.2f')} |"
         )
     return "\n".join(lines)
+
+
+def parse(comparison: str, primary: str) -> tuple[str, str, str]:
+    """``(a, b, outcome)`` of a design's ``"a - b"`` (on ``primary``) or ``"a - b: outcome"``."""
+    pair, _, outcome = comparison.partition(":")
+    a, b = (s.strip() for s in pair.split(" - "))
+    return a, b, outcome.strip() or primary
+
+
+def _value(r: dict, outcome: str):
+    v = r[OUTCOMES[outcome]]
+    return bool(v) if OUTCOMES[outcome] in ("em", "captured") else float(v)
+
+
+def family(rows: list[dict], design: dict, seed: int = 0) -> list[dict]:
+    """The design's comparisons, paired per question and resampled by haystack, Holm-adjusted within the model.
+
+    Returns
+    -------
+    list of dict
+        ``label``, ``a``, ``b``, ``outcome``, ``ci`` (of ``a - b``), ``p`` and ``p_holm``, in the design's order.
+    """
+    by = {s: {_key(r): r for r in rows if r["strategy"] == s} for s in {r["strategy"] for r in rows}}
+    comps = []
+    for label in design["family"]:
+        a, b, outcome = parse(label, design["primary"])
+        if outcome not in OUTCOMES:
+            raise KeyError(f"comparison {label!r}: no outcome {outcome!r} in {sorted(OUTCOMES)}")
+        x, y = by[a], by[b]
+        keys = sorted(set(x) & set(y))
+        comps.append(
+            (
+                {"label": label, "a": a, "b": b, "outcome": outcome},
+                [_value(x[k], outcome) for k in keys],
+                [_value(y[k], outcome) for k in keys],
+                [_cluster(x[k]) for k in keys],
+            )
+        )
+    return paired_family(comps, seed=seed)
+
+
+def arms(rows: list[dict], design: dict, seed: int = 0) -> list[dict]:
+    """Per arm: ``n``, ``caches``, ``haystacks``, ``em``, ``nll``, ``captured``, and ``em_right`` over ``n_right``.
+
+    ``em_right`` is exact match over the questions the joined prefill answers right (None if none).
+    """
+    out = []
+    for arm in design["arms"]:
+        rs = [r for r in rows if r["strategy"] == arm]
+        cl = [_cluster(r) for r in rs]
+        right = [r for r in rs if r["ref_em"]]
+        out.append(
+            {
+                "arm": arm,
+                "n": len(rs),
+                "caches": len({(r["set"], r["cache"]) for r in rs}),
+                "haystacks": len(set(cl)),
+                "em": proportion_ci([bool(r["em"]) for r in rs], clusters=cl, seed=seed),
+                "n_right": len(right),
+                "em_right": proportion_ci(
+                    [bool(r["em"]) for r in right], clusters=[_cluster(r) for r in right], seed=seed
+                )
+                if right
+                else None,
+                "nll": longctx.mean_ci([float(r["nll"]) for r in rs], clusters=cl, seed=seed),
+                "captured": proportion_ci([bool(r["captured"]) for r in rs], clusters=cl, seed=seed),
+            }
+        )
+    return out
+
+
+def by_fragment(rows: list[dict], strategy: str = "reprefill", seed: int = 0) -> list[tuple[int, object]]:
+    """``(needle fragment index, exact match CI)`` of ``strategy``: where in the merge the needle was found."""
+    rs = [r for r in rows if r["strategy"] == strategy]
+    return [
+        (f, proportion_ci([bool(r["em"]) for r in g], clusters=[_cluster(r) for r in g], seed=seed))
+        for f in sorted({r["needle_fragment"] for r in rs})
+        for g in [[r for r in rs if r["needle_fragment"] == f]]
+    ]
+
+
+def markdown(rows: list[dict], model: str, design: dict, seed: int = 0) -> str:
+    """Markdown: every arm's outcomes, the reference by needle fragment, then the family named before the run."""
+    a = arms(rows, design, seed)
+    lo, hi = BAND
+    lines = [
+        f"**{model}**, {design['n_fragments']} fragments x {design['fragment_tokens']} tokens, recompute at "
+        f"r = {design['ratio']}: {a[0]['n']} questions (one needle per cache) in {a[0]['caches']} caches from "
+        f"{a[0]['haystacks']} haystacks (95% intervals: cluster bootstrap over haystacks, each with all its caches)",
+        "",
+        "| arm | exact match | exact match where the joined prefill is right (n) | truth NLL, nats | "
+        "distractor captured |",
+        "|---|---|---|---|---|",
+    ]
+    for r in a:
+        lines.append(
+            f"| {r['arm']} | {fmt_ci(r['em'], '.2f')} | {fmt_ci(r['em_right'], '.2f')} ({r['n_right']}) | "
+            f"{fmt_ci(r['nll'], '.2f')} | {fmt_ci(r['captured'], '.2f')} |"
+        )
+    lines += [
+        "",
+        f"The joined prefill (reprefill) by the needle's fragment (the band asked of it overall: {lo}-{hi}): "
+        + "; ".join(f"fragment {f}: {fmt_ci(c, '.2f')}" for f, c in by_fragment(rows, seed=seed)),
+        "",
+        "The family named before the run (paired per question, resampled by haystack, Holm-adjusted within the model):",
+        "",
+        "| comparison | outcome | n | haystacks | difference [95% CI] | p | Holm p |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in family(rows, design, seed):
+        c = r["ci"]
+        spec = "+.2f"
+        lines.append(
+            f"| {r['a']} − {r['b']} | {r['outcome']} | {c.n} | {c.n_clusters} | {fmt_ci(c, spec)} | "
+            f"{r['p']:.4f} | {r['p_holm']:.4f} |"
+        )
+    return "\n".join(lines)
+
+
+def conclusions(rows: list[dict], model: str, design: dict, seed: int = 0) -> list[str]:
+    """One sentence per comparison of the family, worded from its interval and Holm p (0.05)."""
+    ref = next(r for r in arms(rows, design, seed) if r["arm"] == "reprefill")["em"]
+    lo, hi = BAND
+    inside = lo <= ref.mean <= hi
+    out = [
+        f"{model}: the joined prefill answers {fmt_ci(ref, '.2f')}, "
+        + ("inside" if inside else "outside")
+        + f" the {lo}-{hi} band the design was piloted for."
+    ]
+    for r in family(rows, design, seed):
+        c = r["ci"]
+        verdict = (
+            f"resolved ({'higher' if c.mean > 0 else 'lower'} under {r['a']})"
+            if r["p_holm"] <= 0.05 and c.excludes(0)
+            else "not resolved"
+        )
+        out.append(
+            f"{model}: {r['a']} − {r['b']} on {r['outcome']}: {fmt_ci(c, '+.2f')} (n={c.n}, "
+            f"{c.n_clusters} haystacks), Holm p {r['p_holm']:.3f}: {verdict}."
+        )
+    return out

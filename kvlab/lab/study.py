@@ -104,7 +104,10 @@ def run_design_study(
     one_set: Callable[[LoadedModel, dict, int], list[dict]],
     **meta,
 ) -> list[dict]:
-    """Run a pre-registered study: sets ``0 .. n_caches - 1`` of the committed design ``design``.
+    """Run a pre-registered study: sets ``0 .. n_sets - 1`` of the committed design ``design``.
+
+    ``n_sets`` defaults to the design's ``n_caches`` (one cache per set); a design whose sets each
+    hold several caches (a haystack, one cache per fragment index) names its ``n_sets``.
 
     :func:`kvlab.findings.design.register` refuses a design git does not hold as committed before
     anything loads. Rows go to ``out/rows_<model>.csv``; the record beside them holds the design's
@@ -117,7 +120,8 @@ def run_design_study(
     model = load_model(model_name)
     started = time.perf_counter()
     path = Path(out) / f"rows_{model.name}.csv"
-    rows, walls = run_sets(path, range(d["n_caches"]), lambda j: one_set(model, d, j))
-    doc = {"design": record, "model": model.name, "sets": d["n_caches"], **meta, "set_wall_s": walls}
+    n_sets = d.get("n_sets", d["n_caches"])
+    rows, walls = run_sets(path, range(n_sets), lambda j: one_set(model, d, j))
+    doc = {"design": record, "model": model.name, "sets": n_sets, **meta, "set_wall_s": walls}
     atomic_write_text(path.with_suffix(".json"), json.dumps(doc | study_run(script, started), indent=1) + "\n")
     return rows

@@ -98,6 +98,7 @@ def test_a_design_edited_after_its_commit_is_refused_before_the_run_and_caught_a
         (DESIGN.replace('primary = "exact match"\n', ""), "says nothing of primary"),
         (DESIGN.replace('"reprefill - naive"', '"recompute - naive"'), "is not 'arm - arm'"),
         (DESIGN.replace("n_caches = 20", "n_caches = 0"), "n_caches must be a positive integer"),
+        (DESIGN.replace("n_caches = 20", "n_caches = 20\nn_sets = 2.5"), "n_sets must be a positive integer"),
         (
             DESIGN.replace('"reprefill - naive"', '"reprefill - naive: truth NLL"'),
             "names an outcome not in its outcomes",
