@@ -34,7 +34,7 @@ from kvlab.atomic import atomic_write_text
 from kvlab.findings import haystack
 from kvlab.findings.design import load_design
 from kvlab.findings.needle_rows import GREEDY, TEXT, merges, needle_rows, pilot_rows
-from kvlab.findings.needle_table import pilot_table
+from kvlab.findings.needle_table import conclusions, markdown, pilot_table
 from kvlab.findings.rows import read_rows, run_sets
 from kvlab.lab import setup
 from kvlab.lab.provenance import study_run
@@ -110,10 +110,10 @@ def main() -> None:
         rows = pilot(args.model, args.pilot, args.seed, args.out) if not args.markdown else None
         print(pilot_table(rows or read_rows(args.out / f"pilot{args.pilot}_{args.model}.csv", text=TEXT), args.model))
         return
-    if args.markdown:
-        raise SystemExit("the run's tables come with its design; only --pilot N --markdown prints tables yet")
-    rows = run(args.model, args.out)
-    print(f"{len(rows)} rows written to {args.out / f'rows_{args.model}.csv'}")
+    d = load_design(DESIGN)
+    rows = read_rows(args.out / f"rows_{args.model}.csv", text=TEXT) if args.markdown else run(args.model, args.out)
+    print(markdown(rows, args.model, d))
+    print("\n".join(["", *conclusions(rows, args.model, d)]))
 
 
 if __name__ == "__main__":
