@@ -97,6 +97,21 @@ def run(model_name: str, out: Path) -> list[dict]:
     )
 
 
+def section(out: Path = RESULTS) -> str:
+    """results/README.md's section body: every pilot round's tables, then the run's tables and conclusions."""
+    d = load_design(DESIGN)
+    parts = []
+    for rnd in sorted(PILOT):
+        for m in d["models"]:
+            parts.append(pilot_table(read_rows(out / f"pilot{rnd}_{m}.csv", text=TEXT), m, rnd=rnd))
+    for m in d["models"]:
+        path = out / f"rows_{m}.csv"
+        if path.exists():
+            rows = read_rows(path, text=TEXT)
+            parts += [markdown(rows, m, d), "\n".join(f"* {c}" for c in conclusions(rows, m, d))]
+    return "\n\n".join(parts)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -104,11 +119,16 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="the pilot's seed (the run reads its design's)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--markdown", action="store_true", help="print the tables from the committed rows; no model")
+    ap.add_argument("--section", action="store_true", help="print results/README.md's tables, every round and model")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.section:
+        print(section(args.out))
+        return
     if args.pilot:
         rows = pilot(args.model, args.pilot, args.seed, args.out) if not args.markdown else None
-        print(pilot_table(rows or read_rows(args.out / f"pilot{args.pilot}_{args.model}.csv", text=TEXT), args.model))
+        rows = rows or read_rows(args.out / f"pilot{args.pilot}_{args.model}.csv", text=TEXT)
+        print(pilot_table(rows, args.model, rnd=args.pilot))
         return
     d = load_design(DESIGN)
     rows = read_rows(args.out / f"rows_{args.model}.csv", text=TEXT) if args.markdown else run(args.model, args.out)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from kvlab.findings.design import load_design
 from kvlab.findings.order_arm import GREEDY, set_rows
-from kvlab.findings.order_table import table
+from kvlab.findings.order_table import conclusions, table
 from kvlab.findings.rows import read_rows
 from kvlab.lab.study import run_design_study
 
@@ -47,16 +47,31 @@ def run(model_name: str, out: Path) -> list[dict]:
     )
 
 
+def section(out: Path = RESULTS) -> str:
+    """results/README.md's section body: each model's table and conclusions, from the committed rows."""
+    d = load_design(DESIGN)
+    parts = []
+    for m in d["models"]:
+        rows = read_rows(out / f"rows_{m}.csv", text=TEXT)
+        parts += [table(rows, m, d), "\n".join(f"* {c}" for c in conclusions(rows, m, d))]
+    return "\n\n".join(parts)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--markdown", action="store_true", help="print the tables from the committed rows; no model")
+    ap.add_argument("--section", action="store_true", help="print results/README.md's tables, both models")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.section:
+        print(section(args.out))
+        return
     d = load_design(DESIGN)
     rows = read_rows(args.out / f"rows_{args.model}.csv", text=TEXT) if args.markdown else run(args.model, args.out)
     print(table(rows, args.model, d))
+    print("\n".join(["", *conclusions(rows, args.model, d)]))
 
 
 if __name__ == "__main__":

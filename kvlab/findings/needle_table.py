@@ -27,13 +27,16 @@ def _key(r: dict) -> tuple:
     return r["set"], r["cache"], r["question"]
 
 
-def pilot_table(rows: list[dict], model: str, seed: int = 0) -> str:
-    """Markdown: the joined prefill's exact match, truth NLL and capture rate per pilot design."""
+def pilot_table(rows: list[dict], model: str, seed: int = 0, rnd: int | None = None) -> str:
+    """Markdown: the joined prefill's exact match, truth NLL and capture rate per pilot design (of round ``rnd``)."""
     designs = sorted({(r["n_fragments"], r["fragment_tokens"]) for r in rows})
+    hays = sorted({r["set"] for r in rows})
     lines = [
-        f"**{model}**, pilot (joined prefill only; 95% intervals: cluster bootstrap over haystacks)",
+        f"**{model}**, pilot{'' if rnd is None else f' round {rnd}'}, haystacks {hays[0]}-{hays[-1]} "
+        "(joined prefill only; 95% intervals: cluster bootstrap over haystacks)",
         "",
-        "| fragments x tokens | n questions | haystacks | exact match | truth NLL, nats | distractor captured |",
+        "| fragments x tokens | n questions | haystacks | exact match | truth NLL, nats (answer span) | "
+        "distractor captured |",
         "|---|---|---|---|---|---|",
     ]
     for k, t in designs:
@@ -136,7 +139,7 @@ def markdown(rows: list[dict], model: str, design: dict, seed: int = 0) -> str:
         f"r = {design['ratio']}: {a[0]['n']} questions (one needle per cache) in {a[0]['caches']} caches from "
         f"{a[0]['haystacks']} haystacks (95% intervals: cluster bootstrap over haystacks, each with all its caches)",
         "",
-        "| arm | exact match | exact match where the joined prefill is right (n) | truth NLL, nats | "
+        "| arm | exact match | exact match where the joined prefill is right (n) | truth NLL, nats (answer span) | "
         "distractor captured |",
         "|---|---|---|---|---|",
     ]
@@ -184,6 +187,43 @@ def conclusions(rows: list[dict], model: str, design: dict, seed: int = 0) -> li
         )
         out.append(
             f"{model}: {r['a']} − {r['b']} on {r['outcome']}: {fmt_ci(c, '+.2f')} (n={c.n}, "
-            f"{c.n_clusters} haystacks), Holm p {r['p_holm']:.3f}: {verdict}."
+            f"{c.n_clusters} haystacks), Holm p {r['p_holm']:.4f}: {verdict}."
         )
     return out
+
+
+def summary(rows_by_model: dict[str, list[dict]], names: dict[str, str], design: dict, seed: int = 0) -> str:
+    """SUMMARY's sentence on the needle study: the reference against its band, and what the family resolves.
+
+    ``rows_by_model``: each model's committed rows; ``names``: the model's name as the page writes it.
+    """
+    lo, hi = BAND
+    refs, parts = [], []
+    for m, rows in rows_by_model.items():
+        a = {r["arm"]: r for r in arms(rows, design, seed)}
+        fam = {r["label"]: r for r in family(rows, design, seed)}
+        ref = a["reprefill"]["em"]
+        where = "in the band" if lo <= ref.mean <= hi else "below it" if ref.mean < lo else "above it"
+        refs.append(f"{fmt_ci(ref, '.2f')} on {names[m]} ({where})")
+        rr = fam["rerotate - naive"]
+        others = [r for label, r in fam.items() if r["outcome"] == "exact match" and label != "rerotate - naive"]
+        held = [r for r in others if r["p_holm"] <= 0.05 and r["ci"].excludes(0)]
+        parts.append(
+            f"on {names[m]} rerotate − naive exact match {fmt_ci(rr['ci'], '+.2f')} (Holm p {rr['p_holm']:.3f}), "
+            + (
+                "and no other exact-match comparison of the family is resolved"
+                if not held
+                else "and " + ", ".join(f"{r['a']} − {r['b']} {fmt_ci(r['ci'], '+.2f')}" for r in held) + " resolved"
+            )
+            + f"; distractors take {fmt_ci(a['rerotate']['captured'], '.2f')} of rerotate's answers "
+            f"and {fmt_ci(a['reprefill']['captured'], '.2f')} of the joined prefill's"
+        )
+    n = next(iter(rows_by_model.values()))
+    haystacks = len({r["set"] for r in n})
+    questions = len([r for r in n if r["strategy"] == "reprefill"])
+    return (
+        f"Among sentences like them (the needle study: {design['n_fragments']} × {design['fragment_tokens']}, "
+        f"paraphrased questions, 2-4 distractors of the needle's form; {haystacks} haystacks, {questions} questions "
+        f"per model; [README.md](README.md#needles-with-room-to-fail-issue-56)) the joined prefill, piloted for {lo}-{hi}, "
+        "answers " + " and ".join(refs) + "; " + "; ".join(parts) + "."
+    )

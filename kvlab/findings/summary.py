@@ -3,11 +3,13 @@
 Every number is computed here from the per-question rows the long-context study committed
 (``results/long_context_<model>.csv``), the puzzle study's
 (``results/merge_puzzle_smollm2-135m.csv``), the haystack study's
-(``results/haystack_<model>.csv``, and ``haystack_8x512_<model>.csv`` at 8 x 512), the recompute-window
-study's (``results/recompute_window*_gemma3-270m.csv``) and the naive-dose sweep's
-(``results/naive_dose/rows_<model>.csv``), with kvlab's cluster bootstrap over caches; nothing is
-typed in. ``studies/summary.py`` writes the page, and a test checks the committed page is what
-:func:`render` prints.
+(``results/haystack_<model>.csv``, and ``haystack_8x512_<model>.csv`` at 8 x 512), the
+recompute-window study's (``results/recompute_window*_gemma3-270m.csv``), the naive-dose sweep's
+(``results/naive_dose/rows_<model>.csv``), the order arm's
+(``results/order_nearness/rows_<model>.csv``) and the needle study's
+(``results/needle/rows_<model>.csv``, with their designs), with kvlab's cluster bootstrap over
+caches; nothing is typed in. ``studies/summary.py`` writes the page, and a test checks the
+committed page is what :func:`render` prints.
 """
 
 from __future__ import annotations
@@ -15,15 +17,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvlab.findings import haystack_table
+from kvlab.findings import haystack_table, needle_table, order_table
 from kvlab.findings import puzzle as puzzle_rows
 from kvlab.findings.curve import r90
+from kvlab.findings.design import load_design
 from kvlab.findings.longctx import cache_of, gap_closed, pairs
 from kvlab.findings.rows import read_rows as read_study_rows
 from kvlab.findings.strata import compare, merges, read_rows
 from kvlab.measure.stats import fmt_ci, paired_diff_ci, proportion_ci
 
 MODELS = {"smollm2-135m": "SmolLM2-135M-Instruct", "gemma3-270m": "Gemma 3 270M-it"}
+#: Columns the order arm's and the needle study's rows keep as text (an answer "1893").
+TEXT = ("answer", "truth", "ref_answer", "distractors")
+SHORT = {"smollm2-135m": "SmolLM2", "gemma3-270m": "Gemma 3"}
 RECOMPUTE = "recompute r=0.15"
 HAY_EM = "{k} fragments, single, all: naive - rerotate exact match"
 HAY_KL = "{k} fragments, single, all: naive - rerotate span KL"
@@ -216,6 +222,10 @@ def render(results: str | Path) -> str:
         if g_low.lo > 0
         else "on Gemma 3 naive is not further from the joined prefill at every relative position"
     )
+    designs = results.parent / "studies" / "designs"
+    order_design, needle_design = load_design(designs / "order_nearness.toml"), load_design(designs / "needle.toml")
+    order_rows = {m: read_study_rows(results / "order_nearness" / f"rows_{m}.csv", text=TEXT) for m in MODELS}
+    needle_rows = {m: read_study_rows(results / "needle" / f"rows_{m}.csv", text=TEXT) for m in MODELS}
     puzzle = diff[s][2, "pooled", "span_kl"]
     pz_all = read_study_rows(results / "merge_puzzle_smollm2-135m.csv")
     pz = {(c["n_fragments"], c["number"]): c for c in puzzle_rows.compare(pz_all)}
@@ -225,7 +235,8 @@ def render(results: str | Path) -> str:
         "",
         "Printed by `studies/summary.py` from the per-question rows of `results/long_context_<model>.csv` (and, "
         "for the SmolLM2 puzzle, `results/merge_puzzle_smollm2-135m.csv`; for offset against order, "
-        "`results/naive_dose/rows_<model>.csv`); every "
+        "`results/naive_dose/rows_<model>.csv` and `results/order_nearness/rows_<model>.csv`; for needles among "
+        "distractors, `results/needle/rows_<model>.csv`); every "
         "interval is a 95% cluster bootstrap over caches (caches resampled with all their questions; "
         "[docs/statistics.md](../docs/statistics.md)), paired differences are paired over the same questions, and "
         "p-values are Holm-adjusted within their family (one per model and metric: every count × stratum). "
@@ -280,10 +291,10 @@ def render(results: str | Path) -> str:
         "the merge (early: naive closer to the joined prefill; late and last: rerotate closer): counts pooled, "
         f"answer-span KL naive − rerotate is {fmt_ci(dose[s, 'first'], '+.3f')} on the first passage and "
         f"{fmt_ci(dose[s, 'last'], '+.3f')} on the last ({dose[s, 'last'].n_clusters} sets, "
-        f"{dose[s, 'last'].n} questions), so order, not absolute offset, sets the sign "
-        f"([README.md](README.md#the-dose-response-of-a-naive-merge)); {g_dose}. "
-        "Open: which part of order matters (the fragments after the passage, or the last fragment's place next "
-        "to the question).",
+        f"{dose[s, 'last'].n} questions), so its place in the merge, not its absolute offset, sets the sign "
+        f"([README.md](README.md#the-dose-response-of-a-naive-merge); there its place is also its distance to the "
+        f"question); {g_dose}. " + order_table.summary(order_rows, SHORT, order_design) + " Open: whether a larger "
+        "model shows either.",
         "* **The recompute curve near r*.** The curve ends at r* = (N − L₀)/N, where every policy is the joined "
         "prefill, and is recomputed from committed rows ([README.md](README.md#the-recompute-curve)). Measured "
         f"up to r = {curve_top:g}, r90 (the ratio removing 90% of rerotate's answer-span KL, interpolated between "
@@ -307,7 +318,8 @@ def render(results: str | Path) -> str:
         f"{hay_tokens}: {hay_em(hay[s], hk)}) and {long_sign}: naive − rerotate answer-span KL "
         f"{h(s, HAY_KL, '+.3f', 8, long_fam)}; Gemma 3's naive merge finds "
         f"{hay_em(long[g], 8, 'naive')} of them (naive − rerotate, {h(g, HAY_EM, '+.2f', 8, long_fam)}). "
-        "Open: needles hidden among sentences like them, and a model of production size.",
+        + needle_table.summary(needle_rows, SHORT, needle_design)
+        + " Open: a model of production size.",
         "",
     ]
     return "\n".join(out)

@@ -37,3 +37,30 @@ def test_the_offset_or_order_line_says_what_the_dose_rows_show():
     # The line's words, typed once: early passages naive closer, late and last rerotate closer.
     assert diff("first").hi < 0 and diff("early").hi < 0
     assert diff("late").lo > 0 and diff("last").lo > 0
+
+
+def test_the_order_line_quotes_the_order_arm_s_family_recomputed_from_its_rows():
+    from kvlab.findings import order_table
+    from kvlab.findings.design import load_design
+    from kvlab.findings.rows import read_rows
+    from kvlab.measure.stats import fmt_ci
+
+    design = load_design(ROOT / "studies" / "designs" / "order_nearness.toml")
+    line = next(l for l in (ROOT / "results" / "SUMMARY.md").read_text().splitlines() if "The order arm" in l)
+    for m in ("smollm2-135m", "gemma3-270m"):
+        rows = read_rows(ROOT / "results" / "order_nearness" / f"rows_{m}.csv", text=summary.TEXT)
+        for label in design["family"]:
+            first, second = (s.strip() for s in label.split(" - "))
+            ci, _ = order_table.contrast(rows, first, second)
+            assert f"{fmt_ci(ci, '+.3f')} on {summary.SHORT[m]}" in line
+        # teeth: swap naive and rerotate in one layout and the quoted order interval is no longer the rows'
+        swapped = [
+            r | {"strategy": {"naive": "rerotate", "rerotate": "naive"}.get(r["strategy"], r["strategy"])}
+            if r["layout"] == "first"
+            else r
+            for r in rows
+        ]
+        ci, _ = order_table.contrast(swapped, "first", "last+filler")
+        assert f"{fmt_ci(ci, '+.3f')} on {summary.SHORT[m]}" not in line
+    said = order_table.findings(rows, design)
+    assert ("order and nearness both move it" in line) == (said["order"] and said["nearness"])

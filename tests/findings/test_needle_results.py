@@ -1,0 +1,72 @@
+"""results/README.md's needle section is recomputed from the committed pilot and run rows (studies/needle.py)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from conftest import INTERVAL, intervals, intervals_not_in, results_section, study_module
+from kvlab.findings.design import load_design
+from kvlab.findings.needle_table import BAND, arms
+from kvlab.findings.rows import read_rows
+
+ROOT = Path(__file__).resolve().parents[2]
+HEADING = "## Needles with room to fail"
+RESULTS = ROOT / "results" / "needle"
+
+
+@pytest.fixture(scope="module")
+def needle():
+    return study_module("needle")
+
+
+@pytest.fixture(scope="module")
+def section(needle) -> str:
+    return needle.section(RESULTS)
+
+
+def test_every_interval_and_table_row_in_the_section_is_recomputed(section):
+    text = results_section(HEADING)
+    assert len(intervals(text)) > 60, "the section prints the pilot's and the run's tables"
+    assert not intervals_not_in(text, section), "rerun: .venv/bin/python studies/needle.py --section"
+    rows = [line for line in text.splitlines() if line.startswith("| ") and INTERVAL.search(line)]
+    assert rows and not [line for line in rows if line not in section.splitlines()]
+
+
+def test_an_altered_number_fails(section):
+    text = results_section(HEADING)
+    found = intervals(text)[-1]
+    digit = re.search(r"(\d)(?= \[)", found)
+    bumped = found[: digit.start()] + str((int(digit.group(1)) + 1) % 10) + found[digit.end() :]
+    assert intervals_not_in(text.replace(found, bumped), section)
+
+
+def test_the_pilot_is_labelled_and_reads_no_haystack_of_the_run(needle):
+    design = load_design(needle.DESIGN)
+    run = set(range(design["n_sets"]))
+    for rnd in needle.PILOT:
+        for m in design["models"]:
+            doc = json.loads((RESULTS / f"pilot{rnd}_{m}.json").read_text())
+            assert doc["pilot"] is True and doc["round"] == rnd and "design" not in doc
+            assert not run & set(doc["haystacks"])
+            rows = read_rows(RESULTS / f"pilot{rnd}_{m}.csv", text=needle.TEXT)
+            assert {r["set"] for r in rows} == set(doc["haystacks"])
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m", "gemma3-270m"])
+def test_the_run_reads_its_design_and_says_whether_its_reference_is_in_the_band(needle, model):
+    design = load_design(needle.DESIGN)
+    doc = json.loads((RESULTS / f"rows_{model}.json").read_text())
+    assert doc["design"]["path"] == "studies/designs/needle.toml"
+    rows = read_rows(RESULTS / f"rows_{model}.csv", text=needle.TEXT)
+    assert {r["set"] for r in rows} == set(range(design["n_sets"]))
+    assert {r["strategy"] for r in rows} == set(design["arms"])
+    assert len({(r["set"], r["cache"]) for r in rows}) == design["n_caches"]
+    assert len([r for r in rows if r["strategy"] == "reprefill"]) == design["n_questions"]
+    ref = next(a for a in arms(rows, design) if a["arm"] == "reprefill")["em"]
+    inside = BAND[0] <= ref.mean <= BAND[1]
+    said = next(c for c in needle.conclusions(rows, model, design) if "band" in c)
+    assert ("inside" if inside else "outside") in said
