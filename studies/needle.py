@@ -33,8 +33,8 @@ from pathlib import Path
 from kvlab.atomic import atomic_write_text
 from kvlab.findings import haystack
 from kvlab.findings.design import load_design
-from kvlab.findings.needle_rows import GREEDY, TEXT, merges, needle_rows, pilot_rows
-from kvlab.findings.needle_table import conclusions, markdown, pilot_table
+from kvlab.findings.needle_rows import GREEDY, TEXT, merges, needle_rows, pilot_rows, side_rows
+from kvlab.findings.needle_table import conclusions, markdown, pilot_table, sides_markdown
 from kvlab.findings.rows import read_rows, run_sets
 from kvlab.lab import setup
 from kvlab.lab.provenance import study_run
@@ -44,6 +44,7 @@ from kvlab.models.sources import load_model
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results" / "needle"
 DESIGN = ROOT / "studies" / "designs" / "needle.toml"
+SIDES = ROOT / "studies" / "designs" / "needle_sides.toml"
 #: The pilot's rounds of designs, ``(fragments, tokens per fragment)``, and its haystacks (none the
 #: run reads). Each round follows from the one before (results/README.md, "Needles with room to
 #: fail"): round 1 was below the band, so round 2 has fewer fragments (64 tokens cannot hold a needle
@@ -97,6 +98,20 @@ def run(model_name: str, out: Path) -> list[dict]:
     )
 
 
+def sides(model_name: str, out: Path) -> list[dict]:
+    return run_design_study(
+        "studies/needle.py",
+        SIDES,
+        ROOT,
+        out,
+        model_name,
+        lambda model, d, h: side_rows(model, h, d["fragment_tokens"], d["seed"]),
+        **{k: d for k, d in load_design(SIDES).items() if k in ("n_fragments", "fragment_tokens", "seed")},
+        essays=f"{haystack.PACKAGE}=={haystack.VERSION}",
+        greedy_tokens=GREEDY,
+    )
+
+
 def section(out: Path = RESULTS) -> str:
     """results/README.md's section body: every pilot round's tables, then the run's tables and conclusions."""
     d = load_design(DESIGN)
@@ -109,6 +124,11 @@ def section(out: Path = RESULTS) -> str:
         if path.exists():
             rows = read_rows(path, text=TEXT)
             parts += [markdown(rows, m, d), "\n".join(f"* {c}" for c in conclusions(rows, m, d))]
+    sd = load_design(SIDES)
+    for m in sd["models"]:
+        path = out / "sides" / f"rows_{m}.csv"
+        if path.exists():
+            parts.append(sides_markdown(read_rows(path, text=TEXT), m, sd))
     return "\n\n".join(parts)
 
 
@@ -119,6 +139,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="the pilot's seed (the run reads its design's)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--markdown", action="store_true", help="print the tables from the committed rows; no model")
+    ap.add_argument("--sides", action="store_true", help="the distractors-before-or-after run (needle_sides.toml)")
     ap.add_argument("--section", action="store_true", help="print results/README.md's tables, every round and model")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -129,6 +150,12 @@ def main() -> None:
         rows = pilot(args.model, args.pilot, args.seed, args.out) if not args.markdown else None
         rows = rows or read_rows(args.out / f"pilot{args.pilot}_{args.model}.csv", text=TEXT)
         print(pilot_table(rows, args.model, rnd=args.pilot))
+        return
+    if args.sides:
+        out = args.out / "sides"
+        out.mkdir(exist_ok=True)
+        rows = read_rows(out / f"rows_{args.model}.csv", text=TEXT) if args.markdown else sides(args.model, out)
+        print(sides_markdown(rows, args.model, load_design(SIDES)))
         return
     d = load_design(DESIGN)
     rows = read_rows(args.out / f"rows_{args.model}.csv", text=TEXT) if args.markdown else run(args.model, args.out)

@@ -136,6 +136,26 @@ def placements(rng: random.Random, n_fragments: int) -> list[Placement]:
     return out
 
 
+#: Where :func:`side_placements` puts the distractors: all before the needle's fragment, or all after it.
+SIDES = ("before", "after")
+
+
+def side_placements(rng: random.Random) -> dict[str, Placement]:
+    """Three fragments, the needle in the middle one; its distractors all in fragment 0 or all in fragment 2.
+
+    Everything else (the needle's depth, its template, how many distractors and their depths) is
+    drawn once and held, so the two placements differ only in the distractors' side.
+
+    Returns
+    -------
+    dict
+        ``{"before": Placement, "after": Placement}`` (:data:`SIDES`).
+    """
+    within, template = rng.random(), rng.choice(TEMPLATES)
+    depths = sorted(rng.random() for _ in range(rng.randint(*DISTRACTORS)))
+    return {side: Placement(1, within, template, tuple((g, w) for w in depths)) for side, g in zip(SIDES, (0, 2))}
+
+
 def distractor_set(
     sents: Sequence[str],
     start: int,

@@ -114,3 +114,35 @@ def needle_rows(
         values = list(s.facts["distractors"].values())
         rows += [tags | r | _captures(r, values) for r in got]
     return rows
+
+
+def side_rows(model: LoadedModel, h: int, tokens: int, seed: int) -> list[dict]:
+    """The joined prefill's read of haystack ``h`` with the distractors before the needle and after it.
+
+    Three fragments of ``tokens`` (:func:`kvlab.findings.distractors.side_placements`); the two
+    caches share the needle, its town, value, depth and template, and the distractors' towns,
+    values and depths (one seeded draw each). One row per side: ``strategy`` is the side, ``cache``
+    0 (so the two pair as one question), ``em``, ``answer``, ``nll`` and ``captured`` the joined
+    prefill's. The essay sentences around the needle may shift between the sides: each passage is
+    cut to its own budget after its inserted sentences.
+    """
+    sents = haystack.corpus(seed)
+    count = longctx.token_counter(model)
+    key = f"distractor sides {seed} {h} {tokens}"
+    start = h * STRIDE
+    rows = []
+    for side, place in distractors.side_placements(random.Random(key)).items():
+        rng = random.Random(key + " values")
+        s, end = distractors.distractor_set(sents, start, 3, tokens, place, count, rng, Names(rng), seed)
+        if end > start + STRIDE:
+            raise RuntimeError(f"haystack {h} runs past its stretch ({end - start} > {STRIDE} sentences)")
+        frags, probes = passage_fragments(model, s)
+        (r,) = ask(model, s, {"naive": Naive()}, greedy_tokens=GREEDY, fragments=frags, probes=probes)
+        values = list(s.facts["distractors"].values())
+        rows.append(
+            _tags(model, h, 0, s, frags, tokens)
+            | {"strategy": side, "question": r["question"], "truth": r["truth"], "answer": r["ref_answer"]}
+            | {"em": r["ref_em"], "ref_em": r["ref_em"], "nll": r["nll_ref"], "span_tokens": r["span_tokens"]}
+            | {"captured": _captures(r, values)["ref_captured"], "ref_answer": r["ref_answer"]}
+        )
+    return rows

@@ -168,6 +168,39 @@ def markdown(rows: list[dict], model: str, design: dict, seed: int = 0) -> str:
     return "\n".join(lines)
 
 
+def sides_markdown(rows: list[dict], model: str, design: dict, seed: int = 0) -> str:
+    """Markdown: the joined prefill with the distractors before the needle and after it, then the family."""
+    lines = [
+        f"**{model}**, distractors before or after the needle: {design['n_fragments']} fragments x "
+        f"{design['fragment_tokens']} tokens, the needle in the middle one, joined prefill only "
+        "(95% intervals: cluster bootstrap over haystacks)",
+        "",
+        "| distractors | n needles | haystacks | exact match | truth NLL, nats (answer span) | distractor captured |",
+        "|---|---|---|---|---|---|",
+    ]
+    for side in design["arms"]:
+        rs = [r for r in rows if r["strategy"] == side]
+        cl = [_cluster(r) for r in rs]
+        em = proportion_ci([bool(r["em"]) for r in rs], clusters=cl, seed=seed)
+        cap = proportion_ci([bool(r["captured"]) for r in rs], clusters=cl, seed=seed)
+        nll = longctx.mean_ci([float(r["nll"]) for r in rs], clusters=cl, seed=seed)
+        lines.append(
+            f"| {side} | {len(rs)} | {len(set(cl))} | {fmt_ci(em, '.2f')} | {fmt_ci(nll, '.2f')} | {fmt_ci(cap, '.2f')} |"
+        )
+    lines += [
+        "",
+        "| comparison | outcome | n | haystacks | difference [95% CI] | p | Holm p |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in family(rows, design, seed):
+        c = r["ci"]
+        lines.append(
+            f"| {r['a']} − {r['b']} | {r['outcome']} | {c.n} | {c.n_clusters} | {fmt_ci(c, '+.2f')} | "
+            f"{r['p']:.4f} | {r['p_holm']:.4f} |"
+        )
+    return "\n".join(lines)
+
+
 def conclusions(rows: list[dict], model: str, design: dict, seed: int = 0) -> list[str]:
     """One sentence per comparison of the family, worded from its interval and Holm p (0.05)."""
     ref = next(r for r in arms(rows, design, seed) if r["arm"] == "reprefill")["em"]
