@@ -76,3 +76,14 @@ def test_captured_is_a_distractors_value_only():
     assert distractors.captured("4411", "1234", ["4411", "9000"])
     assert not distractors.captured("1234", "1234", ["4411"])
     assert not distractors.captured("7777", "1234", ["4411"])
+
+
+def test_side_placements_move_only_the_distractors_side():
+    for seed in range(20):
+        got = distractors.side_placements(random.Random(seed))
+        before, after = (got[s] for s in distractors.SIDES)
+        assert before.fragment == after.fragment == 1
+        assert (before.within, before.template) == (after.within, after.template)
+        assert {g for g, _ in before.distractors} == {0} and {g for g, _ in after.distractors} == {2}
+        assert [w for _, w in before.distractors] == [w for _, w in after.distractors]
+        assert distractors.DISTRACTORS[0] <= len(before.distractors) <= distractors.DISTRACTORS[1]

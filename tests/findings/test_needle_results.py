@@ -70,3 +70,23 @@ def test_the_run_reads_its_design_and_says_whether_its_reference_is_in_the_band(
     inside = BAND[0] <= ref.mean <= BAND[1]
     said = next(c for c in needle.conclusions(rows, model, design) if "band" in c)
     assert ("inside" if inside else "outside") in said
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m", "gemma3-270m"])
+def test_the_sides_run_pairs_each_needle_across_the_two_sides(needle, model):
+    design = load_design(needle.SIDES)
+    doc = json.loads((RESULTS / "sides" / f"rows_{model}.json").read_text())
+    assert doc["design"]["path"] == "studies/designs/needle_sides.toml"
+    rows = read_rows(RESULTS / "sides" / f"rows_{model}.csv", text=needle.TEXT)
+    assert len(rows) == design["n_caches"] and {r["set"] for r in rows} == set(range(design["n_sets"]))
+    for h in range(design["n_sets"]):
+        before, after = (next(r for r in rows if r["set"] == h and r["strategy"] == s) for s in ("before", "after"))
+        # the same needle, town, value and form on both sides; only the distractors' side moves
+        assert (before["question"], before["truth"], before["template"]) == (
+            after["question"],
+            after["truth"],
+            after["template"],
+        )
+        assert (
+            before["distractors"] == after["distractors"] and before["needle_fragment"] == after["needle_fragment"] == 1
+        )
