@@ -27,6 +27,21 @@ def _key(r: dict) -> tuple:
     return r["set"], r["cache"], r["question"]
 
 
+def _cells(rs: list[dict], columns: tuple[str, str, str], seed: int) -> str:
+    """``n | haystacks | exact match | truth NLL | captured`` of ``rs``, read from ``columns`` (em, nll, captured)."""
+    em, nll, cap = columns
+    cl = [_cluster(r) for r in rs]
+    return " | ".join(
+        [
+            str(len(rs)),
+            str(len(set(cl))),
+            fmt_ci(proportion_ci([bool(r[em]) for r in rs], clusters=cl, seed=seed), ".2f"),
+            fmt_ci(longctx.mean_ci([float(r[nll]) for r in rs], clusters=cl, seed=seed), ".2f"),
+            fmt_ci(proportion_ci([bool(r[cap]) for r in rs], clusters=cl, seed=seed), ".2f"),
+        ]
+    )
+
+
 def pilot_table(rows: list[dict], model: str, seed: int = 0, rnd: int | None = None) -> str:
     """Markdown: the joined prefill's exact match, truth NLL and capture rate per pilot design (of round ``rnd``)."""
     designs = sorted({(r["n_fragments"], r["fragment_tokens"]) for r in rows})
@@ -41,13 +56,7 @@ def pilot_table(rows: list[dict], model: str, seed: int = 0, rnd: int | None = N
     ]
     for k, t in designs:
         rs = [r for r in rows if (r["n_fragments"], r["fragment_tokens"]) == (k, t)]
-        cl = [_cluster(r) for r in rs]
-        em = proportion_ci([bool(r["ref_em"]) for r in rs], clusters=cl, seed=seed)
-        cap = proportion_ci([bool(r["ref_captured"]) for r in rs], clusters=cl, seed=seed)
-        nll = longctx.mean_ci([float(r["nll_ref"]) for r in rs], clusters=cl, seed=seed)
-        lines.append(
-            f"| {k} x {t} | {len(rs)} | {len(set(cl))} | {fmt_ci(em, '.2f')} | {fmt_ci(nll, '.2f')} | {fmt_ci(cap, '.2f')} |"
-        )
+        lines.append(f"| {k} x {t} | {_cells(rs, ('ref_em', 'nll_ref', 'ref_captured'), seed)} |")
     return "\n".join(lines)
 
 
@@ -180,13 +189,7 @@ def sides_markdown(rows: list[dict], model: str, design: dict, seed: int = 0) ->
     ]
     for side in design["arms"]:
         rs = [r for r in rows if r["strategy"] == side]
-        cl = [_cluster(r) for r in rs]
-        em = proportion_ci([bool(r["em"]) for r in rs], clusters=cl, seed=seed)
-        cap = proportion_ci([bool(r["captured"]) for r in rs], clusters=cl, seed=seed)
-        nll = longctx.mean_ci([float(r["nll"]) for r in rs], clusters=cl, seed=seed)
-        lines.append(
-            f"| {side} | {len(rs)} | {len(set(cl))} | {fmt_ci(em, '.2f')} | {fmt_ci(nll, '.2f')} | {fmt_ci(cap, '.2f')} |"
-        )
+        lines.append(f"| {side} | {_cells(rs, ('em', 'nll', 'captured'), seed)} |")
     lines += [
         "",
         "| comparison | outcome | n | haystacks | difference [95% CI] | p | Holm p |",
