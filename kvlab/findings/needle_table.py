@@ -99,6 +99,21 @@ def family(rows: list[dict], design: dict, seed: int = 0) -> list[dict]:
     return paired_family(comps, seed=seed)
 
 
+def _family_table(rows: list[dict], design: dict, seed: int) -> list[str]:
+    """The markdown lines of the design's family: each comparison's outcome, n, interval, p and Holm p."""
+    lines = [
+        "| comparison | outcome | n | haystacks | difference [95% CI] | p | Holm p |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in family(rows, design, seed):
+        c = r["ci"]
+        lines.append(
+            f"| {r['a']} − {r['b']} | {r['outcome']} | {c.n} | {c.n_clusters} | {fmt_ci(c, '+.2f')} | "
+            f"{r['p']:.4f} | {r['p_holm']:.4f} |"
+        )
+    return lines
+
+
 def arms(rows: list[dict], design: dict, seed: int = 0) -> list[dict]:
     """Per arm: ``n``, ``caches``, ``haystacks``, ``em``, ``nll``, ``captured``, and ``em_right`` over ``n_right``.
 
@@ -164,16 +179,8 @@ def markdown(rows: list[dict], model: str, design: dict, seed: int = 0) -> str:
         "",
         "The family named before the run (paired per question, resampled by haystack, Holm-adjusted within the model):",
         "",
-        "| comparison | outcome | n | haystacks | difference [95% CI] | p | Holm p |",
-        "|---|---|---|---|---|---|---|",
+        *_family_table(rows, design, seed),
     ]
-    for r in family(rows, design, seed):
-        c = r["ci"]
-        spec = "+.2f"
-        lines.append(
-            f"| {r['a']} − {r['b']} | {r['outcome']} | {c.n} | {c.n_clusters} | {fmt_ci(c, spec)} | "
-            f"{r['p']:.4f} | {r['p_holm']:.4f} |"
-        )
     return "\n".join(lines)
 
 
@@ -190,18 +197,7 @@ def sides_markdown(rows: list[dict], model: str, design: dict, seed: int = 0) ->
     for side in design["arms"]:
         rs = [r for r in rows if r["strategy"] == side]
         lines.append(f"| {side} | {_cells(rs, ('em', 'nll', 'captured'), seed)} |")
-    lines += [
-        "",
-        "| comparison | outcome | n | haystacks | difference [95% CI] | p | Holm p |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in family(rows, design, seed):
-        c = r["ci"]
-        lines.append(
-            f"| {r['a']} − {r['b']} | {r['outcome']} | {c.n} | {c.n_clusters} | {fmt_ci(c, '+.2f')} | "
-            f"{r['p']:.4f} | {r['p_holm']:.4f} |"
-        )
-    return "\n".join(lines)
+    return "\n".join([*lines, "", *_family_table(rows, design, seed)])
 
 
 def conclusions(rows: list[dict], model: str, design: dict, seed: int = 0) -> list[str]:
