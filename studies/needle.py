@@ -99,6 +99,7 @@ def run(model_name: str, out: Path) -> list[dict]:
 
 
 def sides(model_name: str, out: Path) -> list[dict]:
+    sd = load_design(SIDES)
     return run_design_study(
         "studies/needle.py",
         SIDES,
@@ -106,7 +107,7 @@ def sides(model_name: str, out: Path) -> list[dict]:
         out,
         model_name,
         lambda model, d, h: side_rows(model, h, d["fragment_tokens"], d["seed"]),
-        **{k: d for k, d in load_design(SIDES).items() if k in ("n_fragments", "fragment_tokens", "seed")},
+        **{k: sd[k] for k in ("n_fragments", "fragment_tokens", "seed")},
         essays=f"{haystack.PACKAGE}=={haystack.VERSION}",
         greedy_tokens=GREEDY,
     )

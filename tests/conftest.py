@@ -43,6 +43,23 @@ def results_section(heading: str) -> str:
     return page[start : end if end >= 0 else None]
 
 
+def section_problems(heading: str, printed: str) -> tuple[list[str], list[str]]:
+    """``(intervals, table rows)`` of results/README.md's section ``heading`` that ``printed`` (a study's output) lacks."""
+    text = results_section(heading)
+    rows = [line for line in text.splitlines() if line.startswith("| ") and INTERVAL.search(line)]
+    assert rows, f"{heading}: the section prints no table"
+    return intervals_not_in(text, printed), [line for line in rows if line not in printed.splitlines()]
+
+
+def bump_last_interval(heading: str) -> tuple[str, str]:
+    """``(section text with its last interval's mean altered by one digit, the altered interval)``."""
+    text = results_section(heading)
+    found = intervals(text)[-1]
+    digit = re.search(r"(\d)(?= \[)", found)
+    bumped = found[: digit.start()] + str((int(digit.group(1)) + 1) % 10) + found[digit.end() :]
+    return text.replace(found, bumped), bumped
+
+
 # tests/fixtures/ holds notebooks that tests run (kvlab sweep), not stored runs for nbval.
 collect_ignore_glob = ["fixtures/*"]
 
